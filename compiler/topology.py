@@ -33,6 +33,14 @@ class Chip:
     name_counts: str  # "cores" or "chips": what N in `gen-N` counts
     libtpu_name: str | None  # the generation as libtpu spells it in `gen:AxBxC`
     torus_dims: int  # 2 or 3; 0 where there is no torus
+    # libtpu's chip configuration: "megacore" joins a chip's two TensorCores into one device
+    # (how v4 and v5p train); "default" is one device per core.
+    chip_config: str = "default"
+    # Wraparound links: a 3D slice made of whole 4x4x4 cubes closes every axis into a ring (the
+    # optical switches join the cube faces); a 2D slice closes an axis that spans the full pod
+    # edge. Without them XLA cannot use its torus collectives and falls back to slower ones
+    # (an all-gather becomes an all-reduce of zero-padded buffers).
+    wrap_unit: int = 0  # 3D: every side a multiple of this; 2D: a side of exactly this
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -44,21 +52,21 @@ CHIPS: dict[str, Chip] = {
     # v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1200 GB/s; 3D torus, six ICI links of 50 GB/s each
     # way; hosts of 4 chips.
     "v4": Chip("v4", "tpu", 275e12, 32 * GIB, 1200 * GB, 600 * GB, 6, 100e9 / 8 / 4, 4, 2, "cores",
-               "v4", 3),
+               "v4", 3, "megacore", 4),
     # v5e: 197 TFLOP/s, 16 GiB at 819 GB/s, 400 GB/s bidirectional ICI over 4 ports (2D torus),
     # 8 chips and 2 x 100 Gbps NICs per host. (Binary gigabytes: libtpu offers a program 15.75 GiB,
     # more than 16e9 bytes; see XLA_USABLE_HBM.)
     "v5e": Chip("v5e", "tpu", 197e12, 16 * GIB, 819 * GB, 400 * GB, 4, 2 * 100e9 / 8 / 8, 8, 1, "chips",
-                "v5e", 2),
+                "v5e", 2, "default", 16),
     # v5p: 459 TFLOP/s, 95 GiB at 2765 GB/s, 1200 GB/s bidirectional ICI (3D torus), DCN 50 Gbps
     # per chip, 4 chips per host.
     "v5p": Chip("v5p", "tpu", 459e12, 95 * GIB, 2765 * GB, 1200 * GB, 6, 50e9 / 8, 4, 2, "cores",
-                "v5p", 3),
+                "v5p", 3, "megacore", 4),
     # v6e (Trillium): 918 TFLOP/s, 32 GiB at 1638 GB/s, 800 GB/s bidirectional ICI over 4 ports
     # (2D torus), 8 chips per host; DCN assumed as v5e's per-chip share scaled to 4 x 100 Gbps.
     # (Binary gigabytes: libtpu offers a program 31.24 GiB.)
     "v6e": Chip("v6e", "tpu", 918e12, 32 * GIB, 1638 * GB, 800 * GB, 4, 4 * 100e9 / 8 / 8, 8, 1, "chips",
-                "v6e", 2),
+                "v6e", 2, "default", 16),
     # H100 SXM: 989 TFLOP/s dense bf16, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s; 8 per host,
     # one 400 Gbps InfiniBand NIC per GPU.
     "h100": Chip("h100", "gpu", 989e12, 80 * GB, 3350 * GB, 900 * GB, 18, 400e9 / 8, 8, 1, "chips",
@@ -75,9 +83,10 @@ ALIASES = {"v5litepod": "v5e"}
 # HBM that XLA lets one program use on one device, as libtpu 0.0.52 states it when a program
 # does not fit ("... exceeds available HBM (31.24G)", G meaning GiB): the chip's capacity less
 # what the runtime keeps. Measured on this host by compiling programs too large for each target.
-# This is what a plan must fit in. (v4 is left out: libtpu describes a v4 chip as two devices of
-# 15.25 GiB each, while mxc counts v4 chips.)
-XLA_USABLE_HBM = {"v5e": int(15.75 * GIB), "v5p": int(95.73 * GIB), "v6e": int(31.24 * GIB)}
+# This is what a plan must fit in. (v4 and v5p are described in megacore mode, one device per
+# chip, as they train.)
+XLA_USABLE_HBM = {"v4": int(30.75 * GIB), "v5e": int(15.75 * GIB), "v5p": int(95.73 * GIB),
+                  "v6e": int(31.24 * GIB)}
 
 # Slice shapes that are not a power-of-two progression (Google Cloud's v5p table).
 _SPECIAL_SHAPES = {("v5p", 6144): (16, 16, 24), ("v4", 6144): (16, 16, 24)}
@@ -143,6 +152,17 @@ class Topology:
             return None
         return f"{self.chip.libtpu_name}:{'x'.join(str(s) for s in self.shape)}"
 
+    @property
+    def wrap(self) -> tuple[bool, bool, bool]:
+        """Which physical axes of a slice close into rings (libtpu's `wrap`)."""
+        unit = self.chip.wrap_unit
+        if not unit or not self.shape:
+            return (False, False, False)
+        if self.chip.torus_dims == 3:
+            cubes = all(side % unit == 0 for side in self.shape)
+            return (cubes, cubes, cubes)
+        return tuple(side == unit for side in self.shape) + (False,)
+
     def describe(self) -> str:
         shape = "x".join(str(s) for s in self.shape) if self.shape else "-"
         slices = f" x {self.slices} slices" if self.slices > 1 else ""
@@ -152,7 +172,7 @@ class Topology:
     def to_json(self) -> dict:
         return {"name": self.name, "chip": self.chip.name, "platform": self.platform,
                 "chips": self.chips, "slices": self.slices, "shape": list(self.shape),
-                "hosts": self.hosts, "libtpu_name": self.libtpu_name}
+                "hosts": self.hosts, "libtpu_name": self.libtpu_name, "wrap": list(self.wrap)}
 
 
 _NAME = re.compile(r"^(?P<gen>[a-z0-9]+?)-(?P<count>\d+)(x(?P<hosts>\d+))?$")
@@ -244,6 +264,7 @@ def devices(topology: Topology) -> list:
             with _quiet_stderr():
                 desc = topologies.get_topology_desc(
                     platform="tpu", topology_name=topology.libtpu_name,
+                    chip_config_name=topology.chip.chip_config, wrap=topology.wrap,
                     **({"num_slices": topology.slices} if topology.slices > 1 else {}))
         except Exception as err:  # libtpu missing or refusing the shape
             raise TopologyError(f"cannot describe {topology.name} ({topology.libtpu_name}) with "

@@ -1,5 +1,7 @@
 """Topology names, chip facts and devices from libtpu's description on this CPU host."""
 
+import re
+
 import pytest
 
 from mxc.compiler.topology import CHIPS, TopologyError, devices, parse
@@ -45,3 +47,46 @@ def test_tpu_devices_from_libtpu_without_a_tpu(capfd):
     assert sorted({getattr(d, "slice_index", 0) for d in two}) == [0, 1]
     # libtpu's start-up warnings stay away from the user.
     assert "TPU_WORKER" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("name,wrap", [
+    ("v5p-8", (False, False, False)), ("v5p-64", (False, False, False)), ("v5p-128", (True, True, True)),
+    ("v5p-1024", (True, True, True)), ("v4-128", (True, True, True)), ("v5e-64", (False, False, False)),
+    ("v5e-128", (False, True, False)), ("v6e-256", (True, True, False)),
+])
+def test_wraparound_links(name, wrap):
+    # Whole 4x4x4 cubes close every axis of a v4/v5p slice; a v5e/v6e axis closes at the pod edge.
+    assert parse(name).wrap == wrap
+
+
+def test_megacore_chips_are_one_device_each():
+    assert len(devices(parse("v4-8"))) == 4 and len(devices(parse("v5p-8"))) == 4
+
+
+def _weight_gather_collectives(topology, found) -> set[str]:
+    """Collectives XLA emits for an FSDP layer: a batch-sharded input times a weight sharded on
+    its input axis, which every device must gather. The mesh follows the torus (device_mesh)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from mxc.compiler.topology import device_mesh
+
+    n = len(found)
+    mesh = device_mesh(topology, ("fsdp",), (n,), found=found)
+    w = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp", None)))
+    x = jax.ShapeDtypeStruct((n, 128, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp", None, None)))
+    text = jax.jit(lambda w, x: x @ w).lower(w, x).compile().as_text()
+    return set(re.findall(r" (all-gather|all-reduce)\(", text))
+
+
+def test_torus_description_keeps_weight_gathers_native():
+    # Described with its wraparound, the slice gets XLA's all-gather; the same slice described as
+    # an open mesh makes XLA fall back to an all-reduce of zero-padded shards (twice the traffic).
+    from jax.experimental import topologies
+
+    topo = parse("v5p-128")
+    assert _weight_gather_collectives(topo, devices(topo)) == {"all-gather"}
+    open_mesh = topologies.get_topology_desc(platform="tpu", topology_name=topo.libtpu_name,
+                                             chip_config_name="megacore", wrap=(False, False, False)).devices
+    assert _weight_gather_collectives(topo, list(open_mesh)) == {"all-reduce"}

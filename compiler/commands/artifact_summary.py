@@ -1,7 +1,7 @@
 """What `mxc compile` ends with and `mxc inspect` prints: an artifact's manifest in brief.
 
 Per-device memory is XLA's figure for the hungriest function (argument + output - alias +
-temp), against the HBM a program may use on one device (a v4 chip's is shared by its two).
+temp), against the HBM a program may use on one device.
 """
 
 from __future__ import annotations
