@@ -81,7 +81,10 @@ def run_maxtext(args, work: Path) -> Measurement:
                f"model_name={MAXTEXT_MODEL_NAMES[args.model]}", f"per_device_batch_size={args.per_chip}",
                f"max_target_length={args.seq}", f"remat_policy={args.remat}", "ici_fsdp_parallelism=-1",
                "dataset_type=synthetic", "enable_checkpointing=false", f"base_output_directory={work}",
-               "run_name=bench"]
+               "run_name=bench",
+               # MaxText keeps JAX's persistent compilation cache in ~/jax_cache by default; an empty
+               # one per run makes it compile cold, as mxc does with --no-cache.
+               f"jax_cache_dir={work / 'maxtext-jax-cache'}"]
     site = subprocess.run([args.maxtext_python, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"],
                           capture_output=True, text=True, env=env)
     if site.returncode != 0:

@@ -30,6 +30,15 @@ def _project(x, params, dtype, pattern):
     return y
 
 
+def _project_pair(x, first, second, dtype):
+    """Keys and values from one matmul over their stacked kernels (the same shape): one kernel
+    for XLA to generate, forward and backward, where two would do the same work; stacking on a
+    new axis keeps each kernel's sharding."""
+    kernel = jnp.stack([first["kernel"].astype(dtype), second["kernel"].astype(dtype)], axis=1)
+    both = jnp.einsum("bse,ekhd->kbshd", x, kernel)
+    return tuple(y + p["bias"].astype(dtype) if "bias" in p else y for y, p in zip(both, (first, second)))
+
+
 def _temperature(tuning, positions):
     # Llama 4 sharpens attention on its NoPE layers as the query's position grows.
     scale = jnp.log(jnp.floor((positions.astype(jnp.float32) + 1.0) / tuning.floor_scale) + 1.0)
@@ -49,8 +58,7 @@ def attention_layer(att, params: dict, x: jax.Array, positions: jax.Array, *, ca
                          cache_positions=cache_positions, impl=impl)
     dtype = x.dtype
     q = _project(x, params["q"], dtype, "bse,ehd->bshd")
-    k = _project(x, params["k"], dtype, "bse,ehd->bshd")
-    v = _project(x, params["v"], dtype, "bse,ehd->bshd")
+    k, v = _project_pair(x, params["k"], params["v"], dtype)
     q = checkpoint_name(constrain(q, ("batch", "seq", "heads", "head_dim")), "query_proj")
     k = checkpoint_name(constrain(k, ("batch", "seq", "kv_heads", "head_dim")), "key_proj")
     v = checkpoint_name(constrain(v, ("batch", "seq", "kv_heads", "head_dim")), "value_proj")

@@ -19,18 +19,26 @@ from mxc.spec.ir import Block, MoE
 RESIDUAL_AXES = ("batch", "seq", "embed")
 
 
+def _shared_input(h: jax.Array) -> jax.Array:
+    """The normalised input, computed once for all the projections that read it. Without the
+    barrier XLA fuses the norm into each of those matmuls, forward and backward, and generates it
+    again in every one of those kernels (about 8% of the compile time of Llama 3.1 8B's train step
+    for v5p-1024); the values are the same either way."""
+    return jax.lax.optimization_barrier(h)
+
+
 def block_layer_with_stats(block: Block, params: dict, x: jax.Array, positions: jax.Array, *,
                            cache: dict | None = None, cache_index: jax.Array | None = None,
                            cache_positions: jax.Array | None = None, impl: str = "xla",
                            moe: MoEConfig = MoEConfig()) -> tuple[jax.Array, dict | None, MoEStats | None]:
     """(x after the layer, its updated cache slice, its MoEStats or None for a dense feed-forward)."""
-    h = apply_norm(block.norm, params["attention_norm"], x)
+    h = _shared_input(apply_norm(block.norm, params["attention_norm"], x))
     h, new_cache = attention_layer(block.attention, params["attention"], h, positions, cache=cache,
                                    cache_index=cache_index, cache_positions=cache_positions, impl=impl)
     if block.post_norm is not None:
         h = apply_norm(block.post_norm, params["attention_post_norm"], h)
     x = constrain(x + h, RESIDUAL_AXES)
-    h = apply_norm(block.norm, params["mlp_norm"], x)
+    h = _shared_input(apply_norm(block.norm, params["mlp_norm"], x))
     stats = None
     if isinstance(block.mlp, MoE):
         h, stats = moe_layer(block.mlp, params["mlp"], h, moe)

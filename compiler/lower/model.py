@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from mxc.compiler.lower import attention, ffn
 from mxc.compiler.lower.block import RESIDUAL_AXES, block_layer_with_stats
+from mxc.compiler.lower.embedding import lookup
 from mxc.compiler.lower.moe import MoEConfig
 from mxc.compiler.lower.norms import apply_norm
 from mxc.compiler.lower.sharding import constrain
@@ -32,7 +33,7 @@ CHECKPOINT_NAMES = attention.CHECKPOINT_NAMES + ffn.CHECKPOINT_NAMES
 
 
 def embed(spec: ModelSpec, params: dict, tokens: jax.Array, dtype) -> jax.Array:
-    x = jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(dtype)
+    x = lookup(params["embed"]["embedding"], tokens, dtype)
     if spec.embedding.scale == "sqrt_d_model":
         # Gemma rounds the scale to the activation dtype before multiplying.
         x = x * jnp.asarray(math.sqrt(spec.d_model), dtype)
