@@ -12,6 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mxc.compiler.lower.params import UnsupportedError
 from mxc.compiler.lower.sharding import constrain
+from mxc.compiler.lower.stacking import stacked_projections
 from mxc.spec.ir import GLU, MLP, ClampedSwiGLU
 
 CHECKPOINT_NAMES = ("mlp_in", "mlp_out")
@@ -46,9 +47,8 @@ def _linear(x, params, dtype, axes):
 
 
 def _linear_pair(x, first, second, dtype):
-    """Two projections of the same input from one matmul over their stacked kernels: one kernel
-    for XLA to generate, forward and backward, where two would do the same work; stacking on a
-    new axis keeps each kernel's sharding."""
+    """Two projections of the same input from one matmul over their stacked kernels (see
+    stacking.py); stacking on a new axis keeps each kernel's sharding."""
     kernel = jnp.stack([first["kernel"].astype(dtype), second["kernel"].astype(dtype)], axis=1)
     both = jnp.einsum("...i,iko->k...o", x, kernel)
     return tuple(y + p["bias"].astype(dtype) if "bias" in p else y for y, p in zip(both, (first, second)))
@@ -60,11 +60,14 @@ def ffn_layer(ffn, params: dict, x: jax.Array) -> jax.Array:
         raise UnsupportedError(f"{ffn.kind} feed-forward is not a dense feed-forward (see moe.py)")
     dtype = x.dtype
     hidden_axes = ("batch", "seq", "mlp")
-    if "gate" in params:
+    if "gate" in params and stacked_projections():
         gate, up = (checkpoint_name(constrain(y, hidden_axes), "mlp_in")
                     for y in _linear_pair(x, params["gate"], params["up"], dtype))
     else:
-        gate, up = None, checkpoint_name(_linear(x, params["up"], dtype, hidden_axes), "mlp_in")
+        up = checkpoint_name(_linear(x, params["up"], dtype, hidden_axes), "mlp_in")
+        gate = None
+        if "gate" in params:
+            gate = checkpoint_name(_linear(x, params["gate"], dtype, hidden_axes), "mlp_in")
     hidden = hidden_activation(ffn, gate, up)
     out = _linear(hidden, params["down"], dtype, ("batch", "seq", "embed"))
     return checkpoint_name(out, "mlp_out")
