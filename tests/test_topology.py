@@ -88,5 +88,5 @@ def test_torus_description_keeps_weight_gathers_native():
     topo = parse("v5p-128")
     assert _weight_gather_collectives(topo, devices(topo)) == {"all-gather"}
     open_mesh = topologies.get_topology_desc(platform="tpu", topology_name=topo.libtpu_name,
-                                             chip_config_name="megacore", wrap=(False, False, False)).devices
+                                             chip_config_name=topo.chip.chip_config, wrap=(False, False, False)).devices
     assert _weight_gather_collectives(topo, list(open_mesh)) == {"all-reduce"}

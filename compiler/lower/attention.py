@@ -18,7 +18,7 @@ from mxc.compiler.lower.mla import mla_layer
 from mxc.compiler.lower.norms import apply_norm
 from mxc.compiler.lower.rope import apply_rope, rope_angles
 from mxc.compiler.lower.sharding import constrain
-from mxc.compiler.lower.stacking import stacked_projections
+from mxc.compiler.lower.stacking import project_pair, stacked_projections
 from mxc.spec.ir import MLA
 
 CHECKPOINT_NAMES = ("query_proj", "key_proj", "value_proj", "attention_context", "attention_out")
@@ -29,14 +29,6 @@ def _project(x, params, dtype, pattern):
     if "bias" in params:
         y = y + params["bias"].astype(dtype)
     return y
-
-
-def _project_pair(x, first, second, dtype):
-    """Keys and values from one matmul over their stacked kernels (the same shape; see
-    stacking.py); stacking on a new axis keeps each kernel's sharding."""
-    kernel = jnp.stack([first["kernel"].astype(dtype), second["kernel"].astype(dtype)], axis=1)
-    both = jnp.einsum("bse,ekhd->kbshd", x, kernel)
-    return tuple(y + p["bias"].astype(dtype) if "bias" in p else y for y, p in zip(both, (first, second)))
 
 
 def _temperature(tuning, positions):
@@ -59,7 +51,7 @@ def attention_layer(att, params: dict, x: jax.Array, positions: jax.Array, *, ca
     dtype = x.dtype
     q = _project(x, params["q"], dtype, "bse,ehd->bshd")
     if stacked_projections():
-        k, v = _project_pair(x, params["k"], params["v"], dtype)
+        k, v = project_pair(x, params["k"], params["v"], dtype, "bse,ekhd->kbshd")
     else:
         k, v = (_project(x, params[name], dtype, "bse,ehd->bshd") for name in ("k", "v"))
     q = checkpoint_name(constrain(q, ("batch", "seq", "heads", "head_dim")), "query_proj")

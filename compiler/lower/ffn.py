@@ -12,7 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mxc.compiler.lower.params import UnsupportedError
 from mxc.compiler.lower.sharding import constrain
-from mxc.compiler.lower.stacking import stacked_projections
+from mxc.compiler.lower.stacking import project_pair, stacked_projections
 from mxc.spec.ir import GLU, MLP, ClampedSwiGLU
 
 CHECKPOINT_NAMES = ("mlp_in", "mlp_out")
@@ -46,14 +46,6 @@ def _linear(x, params, dtype, axes):
     return constrain(y, axes)
 
 
-def _linear_pair(x, first, second, dtype):
-    """Two projections of the same input from one matmul over their stacked kernels (see
-    stacking.py); stacking on a new axis keeps each kernel's sharding."""
-    kernel = jnp.stack([first["kernel"].astype(dtype), second["kernel"].astype(dtype)], axis=1)
-    both = jnp.einsum("...i,iko->k...o", x, kernel)
-    return tuple(y + p["bias"].astype(dtype) if "bias" in p else y for y, p in zip(both, (first, second)))
-
-
 def ffn_layer(ffn, params: dict, x: jax.Array) -> jax.Array:
     """x [batch, seq, embed] -> [batch, seq, embed]."""
     if not isinstance(ffn, (MLP, GLU, ClampedSwiGLU)):
@@ -62,7 +54,7 @@ def ffn_layer(ffn, params: dict, x: jax.Array) -> jax.Array:
     hidden_axes = ("batch", "seq", "mlp")
     if "gate" in params and stacked_projections():
         gate, up = (checkpoint_name(constrain(y, hidden_axes), "mlp_in")
-                    for y in _linear_pair(x, params["gate"], params["up"], dtype))
+                    for y in project_pair(x, params["gate"], params["up"], dtype, "...i,iko->k...o"))
     else:
         up = checkpoint_name(_linear(x, params["up"], dtype, hidden_axes), "mlp_in")
         gate = None

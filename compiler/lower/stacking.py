@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
+import jax.numpy as jnp
+
 from mxc.compiler.lower.sharding import active_rules
 
 _FORCED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("mxc_stacked_projections", default=None)
@@ -33,3 +35,12 @@ def force_stacked_projections(value: bool):
         yield
     finally:
         _FORCED.reset(token)
+
+
+def project_pair(x, first: dict, second: dict, dtype, pattern: str) -> tuple:
+    """Two projections of x from one matmul over their kernels (the same shape) stacked on a new
+    axis 1, which keeps each kernel's sharding. `pattern` is the einsum with that axis named in the
+    kernel and leading the output, e.g. "bse,ekhd->kbshd"; each projection's bias is added."""
+    kernel = jnp.stack([first["kernel"].astype(dtype), second["kernel"].astype(dtype)], axis=1)
+    both = jnp.einsum(pattern, x, kernel)
+    return tuple(y + p["bias"].astype(dtype) if "bias" in p else y for y, p in zip(both, (first, second)))
