@@ -14,6 +14,7 @@ import os
 import sys
 
 from mxc import __version__
+from mxc.compiler.allocator import compile_on_jemalloc
 from mxc.compiler.commands import UserError, print_error
 
 COMMAND_MODULES = [
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    if argv is None and getattr(args, "compiles", False):
+        compile_on_jemalloc()  # may start this command again on jemalloc (see mxc.compiler.allocator)
     return _run(args)
 
 

@@ -56,7 +56,7 @@ def register(subparsers) -> None:
     parser.add_argument("--force", action="store_true", help="replace an existing artifact")
     parser.add_argument("--no-cache", action="store_true", help="compile even if the compile cache has it")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    parser.set_defaults(func=handler)
+    parser.set_defaults(func=handler, compiles=True)
 
 
 def _positive(name: str, value: int | None) -> None:
@@ -241,10 +241,12 @@ def handler(args: argparse.Namespace) -> int:
     run = run_config(args, spec, plan, seq, batch)
     manifest, cached = _compile_or_reuse(spec, topology, devices, plan, run, output, args, stages)
 
+    from mxc.compiler import allocator
     from mxc.compiler.commands.artifact_summary import render, summary_json
 
     summary = summary_json(manifest, output)
     summary["cached"] = cached
+    summary["allocator"] = allocator.current()
     summary["seconds"] = round(time.perf_counter() - started, 3)
     if args.json:
         print(json.dumps(summary, indent=2))

@@ -35,7 +35,7 @@ def register(subparsers) -> None:
     parser.add_argument("--explain", action="store_true",
                         help="also print why each choice was made and the candidates that lost")
     parser.add_argument("-o", "--output", metavar="PLAN.json", help="save the plan as JSON (for mxc compile --plan)")
-    parser.set_defaults(func=handler)
+    parser.set_defaults(func=handler, compiles=True)
 
 
 def parse_pins(pins: list[str]) -> dict[str, int]:

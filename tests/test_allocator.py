@@ -1,0 +1,46 @@
+"""The compiling commands run on jemalloc where the host has it, and only they."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mxc.compiler import allocator
+
+MXC = Path(sys.executable).with_name("mxc")
+
+
+def compile_tiny(tmp_path: Path, **env: str) -> dict:
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("LD_PRELOAD", "MALLOC_CONF", allocator.ENV_CHOICE, allocator.ENV_DONE)}
+    environ.update({"MXC_CACHE_DIR": str(tmp_path / "cache"), "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", **env})
+    done = subprocess.run([str(MXC), "compile", "llama3-tiny", "--topology", "cpu-8", "--functions", "init",
+                           "--seq", "32", "--batch", "8", "-o", str(tmp_path / f"art-{len(env)}"), "--json"],
+                          capture_output=True, text=True, env=environ, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_compile_runs_on_jemalloc_when_installed_and_on_the_system_allocator_when_asked(tmp_path):
+    expected = "jemalloc" if allocator.find_jemalloc() else "system"
+    assert compile_tiny(tmp_path)["allocator"] == expected
+    assert compile_tiny(tmp_path, MXC_ALLOCATOR="system")["allocator"] == "system"
+
+
+def test_the_reexecuted_environment_preloads_jemalloc_once_and_keeps_the_users_settings():
+    env = allocator.reexec_environment({"LD_PRELOAD": "libfoo.so", "PATH": "/bin"}, "libjemalloc.so.2")
+    assert env["LD_PRELOAD"] == "libjemalloc.so.2 libfoo.so"
+    assert env["MALLOC_CONF"] == allocator.RSS_CONF
+    assert env[allocator.ENV_DONE] == "1" and env["PATH"] == "/bin"
+    mine = allocator.reexec_environment({"MALLOC_CONF": "narenas:4"}, "libjemalloc.so.2")
+    assert mine["MALLOC_CONF"] == "narenas:4" and mine["LD_PRELOAD"] == "libjemalloc.so.2"
+
+
+def test_in_process_callers_are_never_reexecuted(capsys, monkeypatch):
+    # main(argv) is how tests and embedding programs call the CLI: it must not replace the process.
+    from mxc.compiler import cli
+
+    monkeypatch.setattr(allocator.os, "execve", lambda *a: (_ for _ in ()).throw(AssertionError("exec")))
+    assert cli.main(["compile", "no-such-model", "--topology", "cpu-8"]) == 1
+    assert "no-such-model" in capsys.readouterr().err
