@@ -31,10 +31,11 @@ def test_compile_runs_on_jemalloc_when_installed_and_on_the_system_allocator_whe
 def test_the_reexecuted_environment_preloads_jemalloc_once_and_keeps_the_users_settings():
     env = allocator.reexec_environment({"LD_PRELOAD": "libfoo.so", "PATH": "/bin"}, "libjemalloc.so.2")
     assert env["LD_PRELOAD"] == "libjemalloc.so.2 libfoo.so"
-    assert env["MALLOC_CONF"] == allocator.RSS_CONF
+    assert env["MALLOC_CONF"] == allocator.malloc_conf()
     assert env[allocator.ENV_DONE] == "1" and env["PATH"] == "/bin"
     mine = allocator.reexec_environment({"MALLOC_CONF": "narenas:4"}, "libjemalloc.so.2")
     assert mine["MALLOC_CONF"] == "narenas:4" and mine["LD_PRELOAD"] == "libjemalloc.so.2"
+    assert allocator.malloc_conf(2).startswith("narenas:1,") and allocator.malloc_conf(64).startswith("narenas:8,")
 
 
 def test_in_process_callers_are_never_reexecuted(capsys, monkeypatch):
