@@ -13,6 +13,10 @@ lives in its own Python 3.12 environment:
     ~/.pyenv/versions/3.12.1/bin/python -m venv /tmp/maxtext-venv
     /tmp/maxtext-venv/bin/pip install 'maxtext[tpu]==0.2.5'
 
+Each tool runs as its users get it: `mxc compile` on jemalloc where the host has it
+(mxc.compiler.allocator), MaxText on the system allocator. To run both on the same allocator, start
+this script with LD_PRELOAD=libjemalloc.so.2 (and MALLOC_CONF as wanted): both children inherit it.
+
 Each tool runs as a child process measured with wait4: CPU-seconds are user + system time of
 the process and everything it waited for, so other load on a shared machine changes the wall
 time but hardly the CPU-seconds. Run it on a quiet machine for wall times that mean something.
