@@ -11,21 +11,29 @@ from mxc.compiler import allocator
 MXC = Path(sys.executable).with_name("mxc")
 
 
-def compile_tiny(tmp_path: Path, **env: str) -> dict:
+def compile_tiny(tmp_path: Path, topology="cpu-8", function="init", **env: str) -> dict:
     environ = {k: v for k, v in os.environ.items()
                if k not in ("LD_PRELOAD", "MALLOC_CONF", allocator.ENV_CHOICE, allocator.ENV_DONE)}
     environ.update({"MXC_CACHE_DIR": str(tmp_path / "cache"), "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", **env})
-    done = subprocess.run([str(MXC), "compile", "llama3-tiny", "--topology", "cpu-8", "--functions", "init",
-                           "--seq", "32", "--batch", "8", "-o", str(tmp_path / f"art-{len(env)}"), "--json"],
+    output = tmp_path / f"{topology}-{function}-{env.get('MXC_ALLOCATOR', 'default')}"
+    done = subprocess.run([str(MXC), "compile", "llama3-tiny", "--topology", topology, "--functions", function,
+                           "--seq", "32", "--batch", "8", "--no-cache", "-o", str(output), "--json"],
                           capture_output=True, text=True, env=environ, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    return {**json.loads(done.stdout), "files": json.loads((output / "manifest.json").read_text())["files"]}
 
 
 def test_compile_runs_on_jemalloc_when_installed_and_on_the_system_allocator_when_asked(tmp_path):
     expected = "jemalloc" if allocator.find_jemalloc() else "system"
     assert compile_tiny(tmp_path)["allocator"] == expected
     assert compile_tiny(tmp_path, MXC_ALLOCATOR="system")["allocator"] == "system"
+
+
+def test_the_allocator_does_not_change_the_program(tmp_path):
+    # A TPU executable is byte-for-byte the same program whichever allocator compiled it.
+    system = compile_tiny(tmp_path, "v5e-8", "train_step", MXC_ALLOCATOR="system")
+    default = compile_tiny(tmp_path, "v5e-8", "train_step")
+    assert system["files"]["train_step.executable"] == default["files"]["train_step.executable"]
 
 
 def test_the_reexecuted_environment_preloads_jemalloc_once_and_keeps_the_users_settings():
