@@ -1,9 +1,9 @@
 """Compile on jemalloc where the host has it.
 
-XLA's TPU code generator makes and frees millions of small objects per kernel, and with glibc's
-malloc a large train step spends about a fifth of its compile CPU time in the allocator and keeps
-freed memory fragmented (Llama 3.1 8B for v5p-1024 on 2 cores: 49-51 CPU-s and 1.22-1.24 GiB peak
-RSS with glibc, 36-39 CPU-s and 0.97 GiB with jemalloc; docs/compile.md). An allocator cannot be
+XLA's TPU code generator makes and frees millions of small objects per kernel: with glibc's
+malloc an eighth of a large compile's perf samples are in the allocator, and freed memory stays
+fragmented (Llama 3.1 8B for v5p-1024 on 2 cores: 50-60 CPU-s and 1.22-1.25 GiB peak
+RSS with glibc, 36-41 CPU-s and 0.97 GiB with jemalloc; docs/compile.md). An allocator cannot be
 swapped inside a running process, so the commands that compile (`mxc compile`, `mxc plan`)
 execute themselves again, once, with jemalloc preloaded, before anything heavy is imported.
 
