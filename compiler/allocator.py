@@ -33,8 +33,7 @@ def malloc_conf(cpus: int | None = None) -> str:
 
 def find_jemalloc() -> str | None:
     """The jemalloc soname the dynamic linker can find, or None."""
-    name = ctypes.util.find_library("jemalloc")
-    return name if name and "jemalloc" in name else None
+    return ctypes.util.find_library("jemalloc")
 
 
 def jemalloc_loaded() -> bool:

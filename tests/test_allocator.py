@@ -1,20 +1,16 @@
 """The compiling commands run on jemalloc where the host has it, and only they."""
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
+from artifact_builds import MXC, clean_env
 from mxc.compiler import allocator
-
-MXC = Path(sys.executable).with_name("mxc")
 
 
 def compile_tiny(tmp_path: Path, topology="cpu-8", function="init", **env: str) -> dict:
-    environ = {k: v for k, v in os.environ.items()
-               if k not in ("LD_PRELOAD", "MALLOC_CONF", allocator.ENV_CHOICE, allocator.ENV_DONE)}
-    environ.update({"MXC_CACHE_DIR": str(tmp_path / "cache"), "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", **env})
+    inherited = ("LD_PRELOAD", "MALLOC_CONF", allocator.ENV_CHOICE, allocator.ENV_DONE)
+    environ = {k: v for k, v in clean_env(tmp_path).items() if k not in inherited} | env
     output = tmp_path / f"{topology}-{function}-{env.get('MXC_ALLOCATOR', 'default')}"
     done = subprocess.run([str(MXC), "compile", "llama3-tiny", "--topology", topology, "--functions", function,
                            "--seq", "32", "--batch", "8", "--no-cache", "-o", str(output), "--json"],
