@@ -80,8 +80,8 @@ def _shapes(tree, dtype=None):
 
 def model_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig) -> list[Traceable]:
     """init, train_step, eval_step; with run.serve also prefill and decode."""
-    from mxc.compiler.lower.train import (init_train_state, make_eval_step, make_train_step,
-                                          train_state_shardings)
+    from mxc.compiler.lower.train import (abstract_train_state, init_train_state, make_eval_step,
+                                          make_train_step, train_state_shardings)
 
     rules = plan.rules_tuples()
     replicated = named_sharding((), mesh, rules)
@@ -92,7 +92,7 @@ def model_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig) -> 
 
     opt = run.optimizer
     state_shardings = train_state_shardings(spec, opt, mesh, rules)
-    abstract_state = jax.eval_shape(lambda key: init_train_state(spec, opt, key), jax.random.key(0))
+    abstract_state = abstract_train_state(spec, opt)
     batch = {"inputs": jax.ShapeDtypeStruct((run.batch, run.seq), jnp.int32),
              "targets": jax.ShapeDtypeStruct((run.batch, run.seq), jnp.int32),
              "mask": jax.ShapeDtypeStruct((run.batch, run.seq), jnp.float32)}

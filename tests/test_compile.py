@@ -207,6 +207,31 @@ def test_tpu_target_compiles_on_this_cpu_host(base):
     assert manifest["functions"]["train_step"]["cost"]["flops"] > 0
 
 
+HOST_COMPILES = r"""
+import json, sys
+import jax.monitoring
+from mxc.compiler import cli
+
+compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+code = cli.main(sys.argv[1:])
+print(json.dumps({"code": code, "backend_compiles": len(compiles)}))
+"""
+
+
+def test_a_tpu_compile_runs_nothing_on_the_host(base, tmp_path):
+    """Exactly one XLA compile per function (init, train_step, eval_step), all for the TPU:
+    building the abstract state must not compile or run anything on the host's CPU backend,
+    whose code generator would cost the compile command memory it does not need."""
+    args = ["compile", "llama3-tiny", "--topology", "v5p-8", "--no-cache", "-o", str(tmp_path / "out")]
+    done = subprocess.run([sys.executable, "-c", HOST_COMPILES, *args], capture_output=True, text=True,
+                          env=clean_env(base), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"code": 0, "backend_compiles": 3}, result
+
+
 def test_a_gpu_target_without_the_plugin_names_the_extra(base):
     from mxc.compiler.gpu_target import plugin_installed
 

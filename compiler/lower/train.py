@@ -184,15 +184,31 @@ def init_train_state(spec: ModelSpec, config: OptimizerConfig, key: jax.Array) -
     return TrainState(jnp.zeros((), jnp.int32), params, model_optimizer(spec, config).init(params))
 
 
+def abstract_train_state(spec: ModelSpec, config: OptimizerConfig) -> TrainState:
+    """The train state's shapes and dtypes, traced from a traced seed: nothing runs on the host
+    (a concrete key would compile and run jax's seeding on the CPU backend, which costs the
+    compile command about 50 MB of resident memory for XLA's CPU code generator)."""
+    return jax.eval_shape(lambda seed: init_train_state(spec, config, jax.random.key(seed)),
+                          jax.ShapeDtypeStruct((), jnp.int32))
+
+
 def train_state_shardings(spec: ModelSpec, config: OptimizerConfig, mesh, rules) -> TrainState:
     """NamedShardings for every leaf of the train state: the optimizer's moments are laid out
     like the parameters they track; counters are replicated."""
     from mxc.compiler.lower.params import param_axes
 
-    abstract = jax.eval_shape(lambda key: init_train_state(spec, config, key), jax.random.key(0))
+    abstract = abstract_train_state(spec, config)
     params = tree_shardings(param_axes(spec), mesh, rules)
     replicated = named_sharding((), mesh, rules)
-    opt_state = optax.tree_map_params(model_optimizer(spec, config), lambda _, sharding: sharding,
-                                      abstract.opt_state, params,
-                                      transform_non_params=lambda _: replicated)
-    return TrainState(replicated, params, opt_state)
+    found = []
+
+    def map_slots():
+        # optax finds the parameter slots by initialising a throwaway state; under tracing its
+        # counters are tracers, not arrays computed on the host.
+        found.append(optax.tree_map_params(model_optimizer(spec, config), lambda _, sharding: sharding,
+                                           abstract.opt_state, params,
+                                           transform_non_params=lambda _: replicated))
+        return ()
+
+    jax.eval_shape(map_slots)
+    return TrainState(replicated, params, found[0])

@@ -37,14 +37,14 @@ def lower_train_step(spec: ModelSpec, plan: Plan, mesh, optimizer=None):
 
     from mxc.compiler.lower.optimizer import OptimizerConfig
     from mxc.compiler.lower.sharding import named_sharding, use_rules
-    from mxc.compiler.lower.train import init_train_state, make_train_step, train_state_shardings
+    from mxc.compiler.lower.train import abstract_train_state, make_train_step, train_state_shardings
 
     config = optimizer or OptimizerConfig()
     rules = plan.rules_tuples()
     step = make_train_step(spec, config, microbatches=plan.microbatches, remat=plan.remat,
                            attention_impl=plan.attention, moe=plan.moe_config())
     state_shardings = train_state_shardings(spec, config, mesh, rules)
-    abstract_state = jax.eval_shape(lambda key: init_train_state(spec, config, key), jax.random.key(0))
+    abstract_state = abstract_train_state(spec, config)
     batch = abstract_batch(plan)
     batch_sharding = named_sharding(("batch", None), mesh, rules)
     with use_rules(mesh, rules):
