@@ -228,8 +228,12 @@ def known_names() -> list[str]:
 
 @contextlib.contextmanager
 def _quiet_stderr():
-    """libtpu writes start-up warnings straight to fd 2 on a host without TPUs; hide them."""
-    if os.environ.get("MXC_DEBUG"):
+    """libtpu writes start-up warnings straight to fd 2 on a host without TPUs; hide them.
+
+    Not when LIBTPU_INIT_ARGS is set: libtpu ends the process itself (exit 1, one `ERROR:` line
+    on fd 2) when that names a flag or value it refuses, and Python never gets control back to
+    say why. Whoever sets libtpu's flags sees its start-up output instead."""
+    if os.environ.get("MXC_DEBUG") or os.environ.get("LIBTPU_INIT_ARGS"):
         yield
         return
     saved = os.dup(2)

@@ -15,7 +15,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest
 
-from artifact_builds import FAST_CPU_FLAGS, TINY_CPU8, TINY_V5P8, built, clean_env, run_mxc
+from artifact_builds import FAST_CPU_FLAGS, MXC, TINY_CPU8, TINY_V5P8, built, clean_env, run_mxc
 from mxc.runtime.artifact import FORMAT_VERSION
 
 
@@ -230,6 +230,16 @@ def test_a_tpu_compile_runs_nothing_on_the_host(base, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"code": 0, "backend_compiles": 3}, result
+
+
+def test_a_libtpu_flag_it_refuses_is_shown(base, tmp_path):
+    """libtpu exits the process itself on a flag it does not know; its reason must reach the user."""
+    done = subprocess.run([str(MXC), "compile", "llama3-tiny", "--topology", "v5p-8", "-o", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300,
+                          env=clean_env(base, LIBTPU_INIT_ARGS="--xla_no_such_flag=1"))
+    assert done.returncode == 1
+    assert "Unknown command line flag 'xla_no_such_flag'" in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_gpu_target_without_the_plugin_names_the_extra(base):
