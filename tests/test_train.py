@@ -49,6 +49,13 @@ def test_loss_matches_numpy_reference(z_loss_weight):
     assert float(metrics["tokens"]) == tokens
 
 
+def test_accuracy_counts_a_target_with_the_largest_logit():
+    logits = jnp.asarray([[[1.0, 5.0, 5.0, 0.0], [3.0, 2.0, 1.0, 0.0], [0.0, 0.0, 4.0, 4.0]]])
+    # target 2 ties the maximum (counts), 1 is below it, 3 ties it (counts)
+    _, metrics = cross_entropy_loss(logits, jnp.asarray([[2, 1, 3]]))
+    assert float(metrics["accuracy"]) == pytest.approx(2 / 3)
+
+
 def test_masked_positions_do_not_count():
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(2, 6, 9)).astype(np.float32)

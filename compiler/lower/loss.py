@@ -18,7 +18,7 @@ class LossSums(NamedTuple):
 
     cross_entropy: jax.Array
     z_loss: jax.Array  # z_loss_weight · logsumexp², already weighted
-    correct: jax.Array  # tokens whose argmax equals the target
+    correct: jax.Array  # tokens whose target has the largest logit (ties count)
     tokens: jax.Array
     # DeepSeek V3's multi-token prediction: the modules' cross entropy, already weighted (mtp.py).
     mtp: jax.Array | float = 0.0
@@ -41,7 +41,9 @@ def loss_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = No
     # A one-hot contraction instead of a gather keeps a vocab-sharded logits tensor sharded.
     target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32), axis=-1)
     cross_entropy = log_normalizer - target_logit
-    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    # Right when the target's logit is the largest: the maximum logsumexp takes anyway, where an
+    # argmax would be one more pass over the logits (and one more kernel to compile).
+    correct = (target_logit >= jnp.max(logits, axis=-1)).astype(jnp.float32)
     return LossSums(
         cross_entropy=jnp.sum(cross_entropy * weights),
         # PaLM (Chowdhery et al., 2022, §5) pushes log Z toward 0 to keep bf16 logits stable.
