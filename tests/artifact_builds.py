@@ -32,8 +32,9 @@ def clean_env(base: Path, **extra: str) -> dict:
     return env
 
 
-def run_mxc(base: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([str(MXC), *args], capture_output=True, text=True, env=clean_env(base),
+def run_mxc(base: Path, *args: str, timeout: int = 900, **env: str) -> subprocess.CompletedProcess:
+    """`mxc ARGS` in a child process with clean_env(base), plus `env`."""
+    return subprocess.run([str(MXC), *args], capture_output=True, text=True, env=clean_env(base, **env),
                           timeout=timeout)
 
 

@@ -15,7 +15,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest
 
-from artifact_builds import FAST_CPU_FLAGS, MXC, TINY_CPU8, TINY_V5P8, built, clean_env, run_mxc
+from artifact_builds import FAST_CPU_FLAGS, TINY_CPU8, TINY_V5P8, built, clean_env, run_mxc
 from mxc.runtime.artifact import FORMAT_VERSION
 
 
@@ -234,9 +234,8 @@ def test_a_tpu_compile_runs_nothing_on_the_host(base, tmp_path):
 
 def test_a_libtpu_flag_it_refuses_is_shown(base, tmp_path):
     """libtpu exits the process itself on a flag it does not know; its reason must reach the user."""
-    done = subprocess.run([str(MXC), "compile", "llama3-tiny", "--topology", "v5p-8", "-o", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=300,
-                          env=clean_env(base, LIBTPU_INIT_ARGS="--xla_no_such_flag=1"))
+    done = run_mxc(base, "compile", "llama3-tiny", "--topology", "v5p-8", "-o", str(tmp_path / "out"),
+                   LIBTPU_INIT_ARGS="--xla_no_such_flag=1")
     assert done.returncode == 1
     assert "Unknown command line flag 'xla_no_such_flag'" in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "out").exists()
@@ -283,7 +282,7 @@ SCAN_TIMING = r"""
 import json, sys, time
 import jax, jax.numpy as jnp
 from mxc.compiler.lower.optimizer import OptimizerConfig
-from mxc.compiler.lower.train import init_train_state, make_train_step
+from mxc.compiler.lower.train import abstract_train_state, make_train_step
 from mxc.spec.ir import Segment
 from mxc.spec.load import load_model
 
@@ -294,7 +293,7 @@ def compile_seconds(layers):
     block = base.layers[0]
     spec = base.model_copy(update={"layers": (Segment(period=block.period, repeat=layers),)})
     opt = OptimizerConfig()
-    state = jax.eval_shape(lambda key: init_train_state(spec, opt, key), jax.random.key(0))
+    state = abstract_train_state(spec, opt)
     batch = {"inputs": jax.ShapeDtypeStruct((2, 32), jnp.int32), "targets": jax.ShapeDtypeStruct((2, 32), jnp.int32),
              "mask": jax.ShapeDtypeStruct((2, 32), jnp.float32)}
     started = time.process_time()  # CPU time: other processes on the machine do not count

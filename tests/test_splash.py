@@ -144,14 +144,14 @@ def _tpu_child(mode: str) -> dict:
 
     from mxc.compiler.lower.optimizer import OptimizerConfig
     from mxc.compiler.lower.sharding import named_sharding, use_rules
-    from mxc.compiler.lower.train import init_train_state, make_train_step, train_state_shardings
+    from mxc.compiler.lower.train import abstract_train_state, make_train_step, train_state_shardings
 
     mesh = Mesh(np.array(devices).reshape(2, 2), ("fsdp", "tensor"))
     rules = {"batch": ["data", "fsdp"], "embed": ["fsdp"], "vocab": ["tensor"], "heads": ["tensor"],
              "kv_heads": ["tensor"], "mlp": ["tensor"]}
     config = OptimizerConfig()
     shardings = train_state_shardings(spec, config, mesh, rules)
-    abstract = jax.eval_shape(lambda key: init_train_state(spec, config, key), jax.random.key(0))
+    abstract = abstract_train_state(spec, config)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     rows = named_sharding(("batch", "seq"), mesh, rules)
     batch = {name: jax.ShapeDtypeStruct((2, seq), dtype, sharding=rows)
