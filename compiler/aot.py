@@ -28,6 +28,7 @@ from mxc.compiler.plan import Plan
 from mxc.compiler.plan.plan import Verification
 from mxc.compiler.plan.verify import plan_mesh
 from mxc.compiler.topology import Topology
+from mxc.compiler.xla_options import compiler_options
 from mxc.runtime.artifact import (FORMAT_VERSION, Cost, Estimate, Function, Leaf, Manifest, Memory,
                                   Topology as TopologyRecord, canonical_hash)
 from mxc.runtime.artifact_reader import installed_versions
@@ -227,7 +228,8 @@ class CompiledFunction:
     export: bytes
 
 
-def compile_function(traceable: Traceable, mesh: Mesh, rules, platform: str, stages: Stages) -> CompiledFunction:
+def compile_function(traceable: Traceable, mesh: Mesh, rules, platform: str, stages: Stages,
+                     options: dict | None = None) -> CompiledFunction:
     name = traceable.name
     in_flat, in_tree = jax.tree_util.tree_flatten_with_path(traceable.args)
     in_shardings = in_tree.flatten_up_to(traceable.in_shardings)
@@ -252,7 +254,7 @@ def compile_function(traceable: Traceable, mesh: Mesh, rules, platform: str, sta
         with stages.stage(f"{name}: lower"):
             lowered = jitted.lower(*avals)
         with stages.stage(f"{name}: compile"):
-            compiled = lowered.compile()
+            compiled = lowered.compile(compiler_options=options or None)
             executable_bytes = bytes(compiled.runtime_executable().serialize())
         with stages.stage(f"{name}: export"):
             exported = jax.export.export(jitted, platforms=[EXPORT_PLATFORMS[platform]])(*avals)
@@ -326,11 +328,12 @@ def build_artifact(spec: ModelSpec, topology: Topology, devices: list, plan: Pla
     rules = plan.rules_tuples()
     if plan.attention.startswith("splash"):
         import mxc.compiler.lower.splash  # noqa: F401  (registers the kernel with attention_core)
+    options = compiler_options(spec, record.platform)
     functions, files = {}, {}
     for traceable in model_functions(spec, plan, mesh, run):
         if run.functions is not None and traceable.name not in run.functions:
             continue
-        compiled = compile_function(traceable, mesh, rules, record.platform, stages)
+        compiled = compile_function(traceable, mesh, rules, record.platform, stages, options)
         functions[traceable.name] = compiled.function
         files[compiled.function.executable] = compiled.executable
         files[compiled.function.export] = compiled.export
@@ -343,6 +346,6 @@ def build_artifact(spec: ModelSpec, topology: Topology, devices: list, plan: Pla
         format_version=FORMAT_VERSION, model=spec.name, spec=spec_json, spec_hash=canonical_hash(spec_json),
         plan=plan_json(plan), run=run.to_json(), topology=record, versions=installed_versions(),
         functions=functions, files={}, estimate=estimate(spec, record, topology.chip.peak_bf16_flops, run, plan),
-        compile_seconds=round(time.perf_counter() - started, 3),
+        compiler_options=options, compile_seconds=round(time.perf_counter() - started, 3),
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     return manifest, files

@@ -23,7 +23,8 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
-FORMAT_VERSION = 1
+# 2: `compiler_options`, the options XLA compiled every function with.
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 
 PathEntry = Union[str, int]  # a mapping key or attribute name; an index into a sequence
@@ -133,6 +134,9 @@ class Manifest(_Record):
     functions: dict[str, Function]
     files: dict[str, str]  # relative path -> sha256 hex, every file but the manifest
     estimate: Estimate | None = None
+    # XLA options beyond its defaults that every function was compiled with (mxc.compiler.xla_options);
+    # a recompile from the StableHLO exports passes them again.
+    compiler_options: dict[str, Union[bool, int, float, str]] = {}
     compile_seconds: float = 0.0
     created: str = ""  # ISO 8601, UTC
     # sha256 of this manifest's canonical JSON without this field: the manifest describes how

@@ -142,7 +142,9 @@ def _native_runner(function: Function, data: bytes, mesh: Mesh, compiled_ids: li
     return run
 
 
-def _recompiled_runner(function: Function, data: bytes, mesh: Mesh) -> FlatRunner:
+def _recompiled_runner(function: Function, data: bytes, mesh: Mesh, options: dict) -> tuple[FlatRunner, dict]:
+    """The function compiled from its StableHLO export, and the compiler options it was compiled
+    with: the artifact's, or none where this compiler refuses them (said once, in a warning)."""
     exported = jax.export.deserialize(bytearray(data))
     in_shardings = tuple(leaf_sharding(mesh, leaf) for leaf in function.inputs)
     donated = tuple(i for i, leaf in enumerate(function.inputs) if leaf.donated)
@@ -151,8 +153,18 @@ def _recompiled_runner(function: Function, data: bytes, mesh: Mesh) -> FlatRunne
                      donate_argnums=donated, keep_unused=True)
     avals = [jax.ShapeDtypeStruct(tuple(leaf.shape), jnp.dtype(leaf.dtype), sharding=sharding)
              for leaf, sharding in zip(function.inputs, in_shardings)]
-    compiled = jitted.lower(*avals).compile()
-    return lambda flat: list(compiled(*flat))
+    lowered = jitted.lower(*avals)
+    try:
+        compiled = lowered.compile(compiler_options=options or None)
+    except jax.errors.JaxRuntimeError as err:
+        # A newer compiler may have dropped an option; the program is the same without it.
+        if not options or "compile option" not in str(err):
+            raise
+        warnings.warn(f"this compiler refuses the artifact's compiler options ({str(err).splitlines()[0]}); "
+                      f"recompiled without them", RecompiledWarning, stacklevel=3)
+        options = {}
+        compiled = lowered.compile()
+    return (lambda flat: list(compiled(*flat))), options
 
 
 class Program:
@@ -203,10 +215,11 @@ def load(path: str | Path, devices: Sequence | None = None) -> Program:
     differences = version_differences(manifest.versions, topology.platform)
     enable_compilation_cache()
     functions = {}
+    options = manifest.compiler_options
     started = time.perf_counter()
     for name, function in manifest.functions.items():
         if differences:
-            runner = _recompiled_runner(function, verified.contents[function.export], mesh)
+            runner, options = _recompiled_runner(function, verified.contents[function.export], mesh, options)
         else:
             try:
                 runner = _native_runner(function, verified.contents[function.executable], mesh,

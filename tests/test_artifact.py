@@ -125,7 +125,10 @@ print(json.dumps({"forbidden": forbidden, "warned": warned, "native": compare(na
 def test_second_process_loads_it_and_matches_jit(tiny, base, tmp_path):
     recompile_copy = tmp_path / "other-versions"
     shutil.copytree(tiny, recompile_copy)
-    rewrite_manifest(recompile_copy, lambda m: m["versions"].update(jaxlib="0.0.1"))
+    # Other library versions, and a compiler option this compiler does not have (as a newer
+    # compiler may have dropped one): recompiled from StableHLO without it, and said so.
+    rewrite_manifest(recompile_copy, lambda m: (m["versions"].update(jaxlib="0.0.1"),
+                                                m.update(compiler_options={"xla_no_such_option": True})))
     env = clean_env(base, JAX_PLATFORMS="cpu",
                     XLA_FLAGS=f"{FAST_CPU_FLAGS} --xla_force_host_platform_device_count=8")
     done = subprocess.run([sys.executable, "-c", SECOND_PROCESS, str(tiny), str(recompile_copy)],
@@ -138,9 +141,10 @@ def test_second_process_loads_it_and_matches_jit(tiny, base, tmp_path):
     assert result["recompiled"]["unequal"] == {}
     assert 5.0 < result["loss"] < 7.5  # about ln(512) for a fresh model
     assert result["index"] == 17  # 16 prompt tokens and one decoded
-    assert len(result["warned"]) == 1
-    warning = result["warned"][0]
-    assert "jaxlib 0.0.1 -> " in warning and "recompiled 5 functions from StableHLO in" in warning
+    assert len(result["warned"]) == 2
+    refused, recompiled = result["warned"]
+    assert "refuses the artifact's compiler options" in refused and "xla_no_such_option" in refused
+    assert "jaxlib 0.0.1 -> " in recompiled and "recompiled 5 functions from StableHLO in" in recompiled
 
 
 # ------------------------------------------------------------------ refusals

@@ -202,6 +202,7 @@ def test_tpu_target_compiles_on_this_cpu_host(base):
         ("tpu", "TPU v5", 4, 4)
     assert topology["shape"] == [2, 2, 1] and len(topology["device_coords"]) == 4
     assert manifest["versions"]["libtpu"]
+    assert manifest["compiler_options"] == {"xla_tpu_offload_gather_to_sparsecore": False}  # xla_options.py
     train = manifest["functions"]["train_step"]["memory"]
     assert 0 < train["total_bytes"] < 95 * 2**30
     assert manifest["functions"]["train_step"]["cost"]["flops"] > 0

@@ -13,6 +13,7 @@ import time
 
 from mxc.compiler.plan.plan import MESH_AXES, OUT_OF_HBM, Plan, Verification, XlaMemory
 from mxc.compiler.topology import Topology, TopologyError, device_mesh, devices
+from mxc.compiler.xla_options import compiler_options
 from mxc.spec.ir import ModelSpec
 
 
@@ -87,7 +88,8 @@ def verify(spec: ModelSpec, plan: Plan, topology: Topology, found: list | None =
     try:
         mesh = plan_mesh(plan, topology, found)
         lowered, abstract_state, shardings = lower_train_step(spec, plan, mesh)
-        compiled = lowered.compile()
+        # The options `mxc compile` uses, so that the verdict is about the same program.
+        compiled = lowered.compile(compiler_options=compiler_options(spec, mesh.devices.flat[0].platform) or None)
     except Exception as err:  # XLA refusing the program (out of memory, unsupported) is a verdict
         return Verification(status="rejected", reason=_first_line(err),
                             compile_seconds=round(time.monotonic() - start, 1))
