@@ -1,7 +1,7 @@
 """Compile the same train step with mxc and with MaxText's train_compile, one after the other, and
 compare CPU-seconds, wall time and peak RSS.
 
-    python bench/compile_vs_maxtext.py [--model llama3.1-8b] [--topology v5p-1024]
+    python bench/compile_vs_maxtext.py [--model llama3.1-8b] [--topology v5p-1024] [--runs 3]
         [--maxtext-python /tmp/maxtext-venv/bin/python] [--json]
 
 Both compile one train step for the same topology through libtpu on this host, with MaxText's
@@ -18,8 +18,10 @@ Each tool runs as its users get it: `mxc compile` on jemalloc where the host has
 this script with LD_PRELOAD=libjemalloc.so.2 (and MALLOC_CONF as wanted): both children inherit it.
 
 Each tool runs as a child process measured with wait4: CPU-seconds are user + system time of
-the process and everything it waited for, so other load on a shared machine changes the wall
-time but hardly the CPU-seconds. Run it on a quiet machine for wall times that mean something.
+the process and everything it waited for. On a shared host they still move by up to a tenth
+between runs of the same command (other tenants' load slows the same work), so with `--runs N`
+the two tools alternate N times and the ratios are those of the medians. Run it on a quiet machine
+for wall times that mean something.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,6 +62,11 @@ def measure(tool: str, command: list[str], env: dict, cwd: Path | None = None) -
         tail = log.read()[-3000:]
     # ru_maxrss is in KiB on Linux: the largest resident set of the child or its descendants.
     return Measurement(tool, usage.ru_utime + usage.ru_stime, wall, usage.ru_maxrss * 1024, process.returncode, tail)
+
+
+def median_of(measurements: list[Measurement]) -> dict[str, float]:
+    return {key: statistics.median(getattr(m, key) for m in measurements)
+            for key in ("cpu_seconds", "wall_seconds", "peak_rss_bytes")}
 
 
 def chips_of(topology: str) -> int:
@@ -106,37 +114,43 @@ def main() -> int:
     parser.add_argument("--remat", default="minimal")
     parser.add_argument("--maxtext-python", default="/tmp/maxtext-venv/bin/python")
     parser.add_argument("--skip-maxtext", action="store_true")
+    parser.add_argument("--runs", type=int, default=1, help="alternating runs of each tool (medians compared)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory(prefix="mxc-bench-") as scratch:
-        work = Path(scratch)
-        results = [run_mxc(args, work)]
-        if not args.skip_maxtext:
-            results.append(run_maxtext(args, work))
+    runs = []  # [(mxc, maxtext or None)], alternating so that both see the same hours of the host
+    for _ in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="mxc-bench-") as scratch:
+            work = Path(scratch)
+            mxc = run_mxc(args, work)
+            runs.append((mxc, None if args.skip_maxtext else run_maxtext(args, work)))
+    results = [r for pair in runs for r in pair if r is not None]
     report = {"model": args.model, "topology": args.topology, "seq": args.seq, "per_chip": args.per_chip,
               "remat": args.remat, "results": [asdict(r) for r in results]}
-    if len(results) == 2 and all(r.exit_status == 0 for r in results):
-        mxc, maxtext = results
-        report["ratios"] = {"cpu_seconds": mxc.cpu_seconds / maxtext.cpu_seconds,
-                            "wall_seconds": mxc.wall_seconds / maxtext.wall_seconds,
-                            "peak_rss": mxc.peak_rss_bytes / maxtext.peak_rss_bytes}
+    ok = all(r.exit_status == 0 for r in results)
+    if ok and not args.skip_maxtext:
+        report["medians"] = {tool: median_of([pair[i] for pair in runs]) for i, tool in enumerate(("mxc", "maxtext"))}
+        mxc, maxtext = report["medians"]["mxc"], report["medians"]["maxtext"]
+        report["ratios"] = {"cpu_seconds": mxc["cpu_seconds"] / maxtext["cpu_seconds"],
+                            "wall_seconds": mxc["wall_seconds"] / maxtext["wall_seconds"],
+                            "peak_rss": mxc["peak_rss_bytes"] / maxtext["peak_rss_bytes"]}
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(f"{args.model} on {args.topology}: {args.per_chip} x {args.seq} per chip, remat {args.remat}")
-        print(f"{'tool':<9}{'CPU-s':>9}{'wall s':>9}{'peak RSS':>11}  status")
+        print(f"{'tool':<12}{'CPU-s':>9}{'wall s':>9}{'peak RSS':>11}  status")
         for r in results:
-            print(f"{r.tool:<9}{r.cpu_seconds:9.1f}{r.wall_seconds:9.1f}"
-                  f"{r.peak_rss_bytes / 2**30:9.2f} GiB  {r.exit_status}")
+            print(f"{r.tool:<12}{r.cpu_seconds:9.1f}{r.wall_seconds:9.1f}"
+                  f"{r.peak_rss_bytes / 2**30:9.3f} GiB  {r.exit_status}")
         if "ratios" in report:
             ratios = report["ratios"]
-            print(f"{'mxc/MaxText':<9}{ratios['cpu_seconds']:9.2f}{ratios['wall_seconds']:9.2f}"
-                  f"{ratios['peak_rss']:11.2f}")
+            label = "mxc/MaxText" if args.runs == 1 else "medians"
+            print(f"{label:<12}{ratios['cpu_seconds']:9.3f}{ratios['wall_seconds']:9.3f}"
+                  f"{ratios['peak_rss']:11.3f}")
         for r in results:
             if r.exit_status != 0:
                 print(f"\n{r.tool} failed (exit {r.exit_status}):\n{r.log_tail}", file=sys.stderr)
-    return 0 if all(r.exit_status == 0 for r in results) else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
