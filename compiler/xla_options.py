@@ -1,7 +1,7 @@
 """The options XLA compiles mxc's functions with, beyond its defaults.
 
-Each function's manifest entry records them (`Function.compiler_options`), so that a runtime
-which recompiles from the StableHLO export builds the same program.
+The manifest records them (`compiler_options`), so that a runtime which recompiles the
+functions from their StableHLO exports builds the same programs.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from mxc.spec.ir import ModelSpec, MoE
 # The embedding lookup's gather runs on the TensorCores instead of being offloaded to the
 # SparseCores. Compiling the offload (libtpu's SparseCore compiler) is about a twentieth of the
 # CPU time of Llama 3.1 8B's train step for v5p-1024 (38.4 -> 36.3 CPU-s, peak RSS 0.939 ->
-# 0.917 GiB, docs/compile.md), while the gather itself copies 4 x 4096 rows of 8 KiB per chip
+# 0.91 GiB, docs/compile.md), while the gather itself copies 4 x 4096 rows of 8 KiB per chip
 # and step: a quarter of a GiB of HBM traffic, a fraction of a millisecond, against a step of
 # seconds. Only for dense models: an MoE layer's token dispatch may be a gather as well, large
 # enough for the offload to pay.

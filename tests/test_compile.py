@@ -203,6 +203,8 @@ def test_tpu_target_compiles_on_this_cpu_host(base):
     assert topology["shape"] == [2, 2, 1] and len(topology["device_coords"]) == 4
     assert manifest["versions"]["libtpu"]
     assert manifest["compiler_options"] == {"xla_tpu_offload_gather_to_sparsecore": False}  # xla_options.py
+    shown = run_mxc(base, "inspect", str(artifact))
+    assert shown.returncode == 0 and "compiler options: xla_tpu_offload_gather_to_sparsecore=False" in shown.stdout
     train = manifest["functions"]["train_step"]["memory"]
     assert 0 < train["total_bytes"] < 95 * 2**30
     assert manifest["functions"]["train_step"]["cost"]["flops"] > 0

@@ -32,7 +32,7 @@ def summary_json(manifest: Manifest, directory: str | Path | None = None) -> dic
         "model": manifest.model, "format_version": manifest.format_version,
         "topology": {"name": topology.name, "platform": topology.platform, "device_kind": topology.device_kind,
                      "chips": topology.chips, "devices": topology.devices, "mesh": topology.mesh},
-        "versions": manifest.versions.model_dump(),
+        "versions": manifest.versions.model_dump(), "compiler_options": manifest.compiler_options,
         "spec_hash": manifest.spec_hash, "plan": manifest.plan, "run": manifest.run,
         "functions": functions,
         "memory": {"peak_bytes_per_device": peak, "hbm_bytes_per_device": hbm,
@@ -88,5 +88,7 @@ def render(summary: dict, console) -> None:
                   + (f", libtpu {versions['libtpu']}" if versions.get("libtpu") else "")
                   + (f", CUDA plugin {versions['cuda_plugin']}" if versions.get("cuda_plugin") else "")
                   + f", mxc {versions['mxc']}; compiled in {summary['compile_seconds']:.1f} s")
+    if summary.get("compiler_options"):
+        console.print("compiler options: " + ", ".join(f"{k}={v}" for k, v in summary["compiler_options"].items()))
     if summary.get("artifact"):
         console.print(f"artifact: {summary['artifact']} ({units.size_bytes(summary['size_bytes'])})")
