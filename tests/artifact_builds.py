@@ -1,6 +1,7 @@
 """Artifacts shared by test_artifact.py and test_compile.py, each compiled once per test session
 by the installed `mxc` command in its own process (a cpu-N compile needs XLA_FLAGS set before
-jax is imported, which this pytest process has already done)."""
+jax is imported, which this pytest process has already done), and the helpers that run child
+processes for the tests."""
 
 from __future__ import annotations
 
@@ -36,6 +37,15 @@ def run_mxc(base: Path, *args: str, timeout: int = 900, **env: str) -> subproces
     """`mxc ARGS` in a child process with clean_env(base), plus `env`."""
     return subprocess.run([str(MXC), *args], capture_output=True, text=True, env=clean_env(base, **env),
                           timeout=timeout)
+
+
+def child_report(script: str, *args: str, timeout: int = 900, **env: str) -> dict:
+    """`python SCRIPT ARGS` in a child process with this environment plus `env` (device flags
+    must be set before jax is imported): the JSON object it prints last."""
+    done = subprocess.run([sys.executable, script, *args], env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def built(base: Path, args: list[str]) -> Path:

@@ -6,11 +6,10 @@ prints JSON; the assertions stay here.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from artifact_builds import child_report
 
 MESH = {"fsdp": 4, "tensor": 2}
 RULES = {"batch": ["data", "fsdp"], "embed": ["fsdp"], "vocab": ["tensor"], "heads": ["tensor"],
@@ -108,10 +107,8 @@ def _splash_under_rules(mesh) -> dict:
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return child_report(__file__, timeout=600, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+                        JAX_PLATFORMS="cpu")
 
 
 def test_forward_on_8_devices_equals_one_device(report):

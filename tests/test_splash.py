@@ -4,7 +4,6 @@ Pallas's interpreter on the CPU), and real TPU compiles on this CPU host through
 
 import json
 import os
-import subprocess
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -14,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from artifact_builds import child_report
 from mxc.compiler.lower.attention_core import attend
 from mxc.compiler.lower.splash import attention_impl_for, splash_attend
 
@@ -167,11 +167,7 @@ def _tpu_child(mode: str) -> dict:
 
 
 def _run_tpu_child(mode: str) -> dict:
-    env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "JAX_PLATFORMS": ""}
-    done = subprocess.run([sys.executable, __file__, mode], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return child_report(__file__, mode, ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="")
 
 
 def test_splash_forward_compiles_for_tpu_without_the_score_matrix():

@@ -4,10 +4,8 @@ its comment says in a real TPU compile (a child process, libtpu's v5p-8 topology
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
+from artifact_builds import child_report
 from mxc.compiler.xla_options import compiler_options
 from mxc.spec.load import load_model
 
@@ -48,10 +46,7 @@ def _tpu_child() -> dict:
 
 
 def test_the_option_moves_the_gather_off_the_sparsecores():
-    env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "JAX_PLATFORMS": ""}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = child_report(__file__, timeout=600, ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="")
     assert report["defaults"] >= 1  # libtpu offloads the lookup by default: the check can tell
     assert report["mxc"] == 0
 
