@@ -144,31 +144,45 @@ def test_generate_with_the_artifact_matches_the_reference_decode(workdir, artifa
     generated = np.load(output)
     assert generated.shape == (3, PROMPT_LEN + 12)
     np.testing.assert_array_equal(generated[:, :PROMPT_LEN], prompts)
-    expected = _reference_greedy(ckpt, prompts, 12, workdir)
-    np.testing.assert_array_equal(generated, expected)
+    expected, logits = _reference_greedy(ckpt, prompts, 12, output, workdir)
+    # The artifact decodes over 8 devices, the reference on one: their bf16 sums round
+    # differently, so where the two best next tokens are within rounding of each other either may
+    # be chosen, and the rest of that row follows from it (seen: logits 0.0017 apart at 3.5).
+    # Every token the artifact chose must be the reference's best up to that rounding, given the
+    # same prefix (a wrong cache or position picks tokens logits apart), and all rows but one
+    # must match token for token.
+    chosen = np.take_along_axis(logits[:, PROMPT_LEN - 1:-1], generated[:, PROMPT_LEN:, None], axis=-1)[..., 0]
+    best = logits[:, PROMPT_LEN - 1:-1].max(axis=-1)
+    np.testing.assert_array_less(best - chosen, 1e-2 * np.maximum(1.0, np.abs(best)))
+    assert sum(np.array_equal(g, e) for g, e in zip(generated, expected)) >= len(prompts) - 1, (generated, expected)
 
 
 _REFERENCE_DECODE = """
 import sys, numpy as np
 from mxc.compiler.lower.decode import generate
+from mxc.compiler.lower.model import forward
 from mxc.spec.load import load_model
 from runtime_support import restore_on_one_device
-ckpt, step, prompts, max_new, output = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
-params = restore_on_one_device(ckpt, step)
-tokens = generate(load_model("llama3-tiny"), params, np.load(prompts), max_new)
-np.save(output, np.asarray(tokens))
+ckpt, step, prompts, max_new, generated, output = sys.argv[1:]
+params = restore_on_one_device(ckpt, int(step))
+spec = load_model("llama3-tiny")
+tokens = generate(spec, params, np.load(prompts), int(max_new))
+logits, _ = forward(spec, params, np.load(generated))
+np.savez(output, tokens=np.asarray(tokens), logits=np.asarray(logits, np.float32))
 """
 
 
-def _reference_greedy(ckpt, prompts, max_new, workdir):
-    """The compiler's own jitted decode (lower.decode.generate) on the same parameters, one device."""
-    output = workdir / "reference_generated.npy"
+def _reference_greedy(ckpt, prompts, max_new, generated, workdir):
+    """The compiler's own jitted decode (lower.decode.generate) on the same parameters, one device,
+    and its logits over the sequences in `generated` (teacher-forced)."""
+    output = workdir / "reference_generated.npz"
     done = subprocess.run([PYTHON, "-c", _REFERENCE_DECODE, str(ckpt.absolute()), str(STEPS),
-                           str(workdir / "prompts.npy"), str(max_new), str(output)],
+                           str(workdir / "prompts.npy"), str(max_new), str(generated), str(output)],
                           env=cpu_env(PYTHONPATH=os.path.dirname(__file__)), capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    return np.load(output)
+    found = np.load(output)
+    return found["tokens"], found["logits"]
 
 
 def test_two_processes_give_the_one_process_losses(workdir, artifact, tokens, reference):

@@ -18,7 +18,7 @@ from mxc.compiler.lower.mla import mla_layer
 from mxc.compiler.lower.norms import apply_norm
 from mxc.compiler.lower.rope import apply_rope, rope_angles
 from mxc.compiler.lower.sharding import constrain
-from mxc.compiler.lower.stacking import project_pair, stacked_projections
+from mxc.compiler.lower.stacking import heads_unsplit, project_joined, project_pair, stacked_projections
 from mxc.spec.ir import MLA
 
 CHECKPOINT_NAMES = ("query_proj", "key_proj", "value_proj", "attention_context", "attention_out")
@@ -49,11 +49,13 @@ def attention_layer(att, params: dict, x: jax.Array, positions: jax.Array, *, ca
         return mla_layer(att, params, x, positions, cache=cache, cache_index=cache_index,
                          cache_positions=cache_positions, impl=impl)
     dtype = x.dtype
-    q = _project(x, params["q"], dtype, "bse,ehd->bshd")
-    if stacked_projections():
+    if stacked_projections() and heads_unsplit():
+        q, k, v = project_joined(x, [params["q"], params["k"], params["v"]], dtype, "bse,ehd->bshd")
+    elif stacked_projections():
+        q = _project(x, params["q"], dtype, "bse,ehd->bshd")
         k, v = project_pair(x, params["k"], params["v"], dtype, "bse,ekhd->kbshd")
     else:
-        k, v = (_project(x, params[name], dtype, "bse,ehd->bshd") for name in ("k", "v"))
+        q, k, v = (_project(x, params[name], dtype, "bse,ehd->bshd") for name in ("q", "k", "v"))
     q = checkpoint_name(constrain(q, ("batch", "seq", "heads", "head_dim")), "query_proj")
     k = checkpoint_name(constrain(k, ("batch", "seq", "kv_heads", "head_dim")), "key_proj")
     v = checkpoint_name(constrain(v, ("batch", "seq", "kv_heads", "head_dim")), "value_proj")
