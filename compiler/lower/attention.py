@@ -49,13 +49,13 @@ def attention_layer(att, params: dict, x: jax.Array, positions: jax.Array, *, ca
         return mla_layer(att, params, x, positions, cache=cache, cache_index=cache_index,
                          cache_positions=cache_positions, impl=impl)
     dtype = x.dtype
-    if stacked_projections() and heads_unsplit():
+    if not stacked_projections():
+        q, k, v = (_project(x, params[name], dtype, "bse,ehd->bshd") for name in ("q", "k", "v"))
+    elif heads_unsplit():
         q, k, v = project_joined(x, [params["q"], params["k"], params["v"]], dtype, "bse,ehd->bshd")
-    elif stacked_projections():
+    else:
         q = _project(x, params["q"], dtype, "bse,ehd->bshd")
         k, v = project_pair(x, params["k"], params["v"], dtype, "bse,ekhd->kbshd")
-    else:
-        q, k, v = (_project(x, params[name], dtype, "bse,ehd->bshd") for name in ("q", "k", "v"))
     q = checkpoint_name(constrain(q, ("batch", "seq", "heads", "head_dim")), "query_proj")
     k = checkpoint_name(constrain(k, ("batch", "seq", "kv_heads", "head_dim")), "key_proj")
     v = checkpoint_name(constrain(v, ("batch", "seq", "kv_heads", "head_dim")), "value_proj")

@@ -46,8 +46,7 @@ def project_pair(x, first: dict, second: dict, dtype, pattern: str) -> tuple:
     axis 1, which keeps each kernel's sharding. `pattern` is the einsum with that axis named in the
     kernel and leading the output, e.g. "bse,ekhd->kbshd"; each projection's bias is added."""
     kernel = jnp.stack([first["kernel"].astype(dtype), second["kernel"].astype(dtype)], axis=1)
-    both = jnp.einsum(pattern, x, kernel)
-    return tuple(y + p["bias"].astype(dtype) if "bias" in p else y for y, p in zip(both, (first, second)))
+    return _with_biases(jnp.einsum(pattern, x, kernel), (first, second), dtype)
 
 
 def heads_unsplit() -> bool:
@@ -67,4 +66,8 @@ def project_joined(x, projections: list[dict], dtype, pattern: str) -> tuple:
     kernel = jnp.concatenate([p["kernel"].astype(dtype) for p in projections], axis=1)
     joined = jnp.einsum(pattern, x, kernel)
     parts = jnp.split(joined, np.cumsum([p["kernel"].shape[1] for p in projections])[:-1], axis=2)
-    return tuple(y + p["bias"].astype(dtype) if "bias" in p else y for y, p in zip(parts, projections))
+    return _with_biases(parts, projections, dtype)
+
+
+def _with_biases(outputs, projections, dtype) -> tuple:
+    return tuple(y + p["bias"].astype(dtype) if "bias" in p else y for y, p in zip(outputs, projections))
