@@ -269,7 +269,7 @@ def test_both_config_spellings_give_the_same_spec():
         assert spec_from_config(_hub_spelling(config), "m") == spec_from_config(config, "m"), name
 
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "param_counts.json"
+REFERENCE = Path(__file__).resolve().parent / "data" / "param_counts.json"
 FAMILY_CLASSES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
                   "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 

@@ -8,7 +8,7 @@ import pytest
 from mxc.compiler.analysis import summarize
 from mxc.spec import load_model, zoo_names
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "param_counts.json"
+REFERENCE = Path(__file__).resolve().parent / "data" / "param_counts.json"
 
 
 def _reference():
