@@ -227,9 +227,12 @@ def test_resume_onto_an_artifact_with_another_plan(workdir, artifact, tokens, re
     expected = {r["step"]: r["loss"] for r in read_metrics(ref_metrics)}
     resumed = {r["step"]: r["loss"] for r in read_metrics(metrics)}
     assert sorted(resumed) == list(range(1, STEPS + 1))
-    # Another layout sums in another order: equal up to float rounding, not bit for bit.
-    np.testing.assert_allclose([resumed[s] for s in range(41, STEPS + 1)],
-                               [expected[s] for s in range(41, STEPS + 1)], rtol=1e-4)
+    # Another layout sums in another order: the first step after the restore equals the
+    # reference up to float rounding; each update then compounds the rounding (measured 1.6e-4
+    # relative by step 60), far below what other parameters or data give (the second digit).
+    np.testing.assert_allclose(resumed[41], expected[41], rtol=1e-5)
+    np.testing.assert_allclose([resumed[s] for s in range(42, STEPS + 1)],
+                               [expected[s] for s in range(42, STEPS + 1)], rtol=1e-3)
 
 
 def _two_process_run(artifact, tokens, workdir, name, steps):
