@@ -1,18 +1,16 @@
 """Compile on jemalloc where the host has it.
 
 XLA's TPU code generator makes and frees millions of small objects per kernel: with glibc's
-malloc an eighth of a large compile's perf samples are in the allocator, and freed memory stays
-fragmented (Llama 3.1 8B for v5p-1024 on 2 cores: 50-60 CPU-s and 1.22-1.25 GiB peak
-RSS with glibc, 36-41 CPU-s and 0.97 GiB with jemalloc; docs/compile.md). An allocator cannot be
-swapped inside a running process, so the commands that compile (`mxc compile`, `mxc plan`)
+malloc a large share of a compile's time is in the allocator, and freed memory stays fragmented;
+jemalloc compiles in less CPU time and a smaller peak (docs/compile.md has the measurements). An
+allocator cannot be swapped inside a running process, so the commands that compile (`mxc compile`, `mxc plan`)
 execute themselves again, once, with jemalloc preloaded, before anything heavy is imported.
 
 Nothing changes where jemalloc is not installed (scripts/setup.sh installs Debian's libjemalloc2
 where it can), where it is loaded already, or with MXC_ALLOCATOR=system. MALLOC_CONF, if set, is
 the user's; otherwise `malloc_conf()`: one arena per 8 CPUs (jemalloc's default is 4 per CPU;
-its per-thread caches take most of the traffic, and fewer arenas fragment less: 1.08 -> 1.01 GiB
-on 2 cores, same CPU time) and freed pages handed back after 200 ms instead of 10 s (-> 0.97 GiB
-for about half a CPU-second).
+its per-thread caches take most of the traffic, and fewer arenas fragment less) and freed pages
+handed back after 200 ms instead of 10 s (a lower peak for little CPU time).
 """
 
 from __future__ import annotations

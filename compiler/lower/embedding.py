@@ -3,8 +3,8 @@
 The table's embed axis is sharded over the same devices that split the batch. Left to itself,
 XLA gathers every device's token ids (the global batch), looks all of them up in its slice of
 the table, and in the backward pass scatter-adds the whole global batch into that slice, sorting
-all of its ids: at 2048 x 4096 tokens an 8M-key sort on every step, and about 11 CPU-seconds of
-compiling for that one kernel. Here the table is gathered first, in the compute dtype, as every
+all of its ids: at 2048 x 4096 tokens an 8M-key sort on every step, and one of the costliest
+kernels to compile. Here the table is gathered first, in the compute dtype, as every
 layer's weight is, so each device looks up only its own tokens; the gradient is scatter-added in
 float32 (a token seen many times in a batch must not be summed in bf16) into a full-size table
 and reduced to the table's sharding.

@@ -1,13 +1,11 @@
 """Whether projections of the same input run as one matmul over their stacked kernels.
 
 On TPUs XLA then generates one kernel where it would generate two or three, forward and
-backward, and the larger matmul suits the MXUs. Keys with values and gate with up took Llama 3.1
-8B's train step for v5p-1024 from 72-76 to 57-65 CPU-seconds of compiling; joining the query to
-them as well, where no mesh axis splits heads, takes 20-25 MB off the compile's peak memory and
-5% off the generated code (one all-gather and one gradient operand fewer per layer). On CPUs the
-stacked copy of the weights costs more than the shared matmul saves (a 100M-parameter step at
-64 tokens is about a fifth slower), so there the projections stay apart. The results are the
-same either way.
+backward, and the larger matmul suits the MXUs: compiles take less CPU time and memory. Joining
+the query to keys and values as well, where no mesh axis splits heads, saves one all-gather and
+one gradient operand per layer. On CPUs the stacked copy of the weights costs more than the shared
+matmul saves, so there the projections stay apart. The results are the same either way
+(docs/compile.md has the measurements).
 """
 
 from __future__ import annotations
