@@ -41,6 +41,8 @@ class Chip:
     # edge. Without them XLA cannot use its torus collectives and falls back to slower ones
     # (an all-gather becomes an all-reduce of zero-padded buffers).
     wrap_unit: int = 0  # 3D: every side a multiple of this; 2D: a side of exactly this
+    # The most chips one slice (one ICI domain) may hold; larger names are several slices.
+    max_slice_chips: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -48,25 +50,30 @@ class Chip:
 
 # Sources: Google Cloud TPU system-architecture pages (v4, v5e, v5p, v6e), NVIDIA H100/H200
 # datasheets (SXM). DCN per chip: the host's NICs divided among its chips.
+# Largest slice (max_slice_chips), from the same pages: a v4 pod is 4096 chips
+# (cloud.google.com/tpu/docs/v4); a v5e pod 256 chips, 16x16 (cloud.google.com/tpu/docs/v5e);
+# a v5p pod 8960 chips, "the largest job that can be scheduled is a 96 cube (6144 chip) job",
+# 16x16x24 (cloud.google.com/tpu/docs/v5p); a v6e pod 256 chips, 16x16
+# (cloud.google.com/tpu/docs/v6e).
 CHIPS: dict[str, Chip] = {
     # v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1200 GB/s; 3D torus, six ICI links of 50 GB/s each
     # way; hosts of 4 chips.
     "v4": Chip("v4", "tpu", 275e12, 32 * GIB, 1200 * GB, 600 * GB, 6, 100e9 / 8 / 4, 4, 2, "cores",
-               "v4", 3, "megacore", 4),
+               "v4", 3, "megacore", 4, max_slice_chips=4096),
     # v5e: 197 TFLOP/s, 16 GiB at 819 GB/s, 400 GB/s bidirectional ICI over 4 ports (2D torus),
     # 8 chips and 2 x 100 Gbps NICs per host. (Binary gigabytes: libtpu offers a program 15.75 GiB,
     # more than 16e9 bytes; see XLA_USABLE_HBM.)
     "v5e": Chip("v5e", "tpu", 197e12, 16 * GIB, 819 * GB, 400 * GB, 4, 2 * 100e9 / 8 / 8, 8, 1, "chips",
-                "v5e", 2, "default", 16),
+                "v5e", 2, "default", 16, max_slice_chips=256),
     # v5p: 459 TFLOP/s, 95 GiB at 2765 GB/s, 1200 GB/s bidirectional ICI (3D torus), DCN 50 Gbps
     # per chip, 4 chips per host.
     "v5p": Chip("v5p", "tpu", 459e12, 95 * GIB, 2765 * GB, 1200 * GB, 6, 50e9 / 8, 4, 2, "cores",
-                "v5p", 3, "megacore", 4),
+                "v5p", 3, "megacore", 4, max_slice_chips=6144),
     # v6e (Trillium): 918 TFLOP/s, 32 GiB at 1638 GB/s, 800 GB/s bidirectional ICI over 4 ports
     # (2D torus), 8 chips per host; DCN assumed as v5e's per-chip share scaled to 4 x 100 Gbps.
     # (Binary gigabytes: libtpu offers a program 31.24 GiB.)
     "v6e": Chip("v6e", "tpu", 918e12, 32 * GIB, 1638 * GB, 800 * GB, 4, 4 * 100e9 / 8 / 8, 8, 1, "chips",
-                "v6e", 2, "default", 16),
+                "v6e", 2, "default", 16, max_slice_chips=256),
     # H100 SXM: 989 TFLOP/s dense bf16, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s; 8 per host,
     # one 400 Gbps InfiniBand NIC per GPU.
     "h100": Chip("h100", "gpu", 989e12, 80 * GB, 3350 * GB, 900 * GB, 18, 400e9 / 8, 8, 1, "chips",
@@ -89,7 +96,7 @@ XLA_USABLE_HBM = {"v4": int(30.75 * GIB), "v5e": int(15.75 * GIB), "v5p": int(95
                   "v6e": int(31.24 * GIB)}
 
 # Slice shapes that are not a power-of-two progression (Google Cloud's v5p table).
-_SPECIAL_SHAPES = {("v5p", 6144): (16, 16, 24), ("v4", 6144): (16, 16, 24)}
+_SPECIAL_SHAPES = {("v5p", 6144): (16, 16, 24)}
 
 
 class TopologyError(ValueError):
@@ -214,9 +221,27 @@ def parse(name: str, slices: int = 1) -> Topology:
         per_slice = count // chip.cores_per_chip
     else:
         per_slice = count
+    per_slice, slices = _split_into_slices(chip, name, per_slice, slices)
     shape = _torus_shape(chip, per_slice)
     hosts = max(1, per_slice // chip.chips_per_host) * slices
     return Topology(name, chip, per_slice * slices, slices, shape, hosts)
+
+
+def _split_into_slices(chip: Chip, name: str, chips: int, slices: int) -> tuple[int, int]:
+    """Chips per slice and slices, for a name larger than one slice can be.
+
+    A v5e or v6e pod holds 256 chips: v5e-512 is two v5e-256 slices joined over DCN, as Google
+    Cloud builds it (multislice). Elsewhere, a name past the largest slice does not exist."""
+    largest = chip.max_slice_chips
+    if not largest or chips <= largest:
+        return chips, slices
+    unit = "TensorCores" if chip.name_counts == "cores" else "chips"
+    largest_name = f"{chip.name}-{largest * (chip.cores_per_chip if unit == 'TensorCores' else 1)}"
+    if chip.torus_dims == 2 and chips % largest == 0:
+        return largest, slices * (chips // largest)
+    raise TopologyError(f"'{name}' is larger than the largest {chip.name} slice ({largest_name}, "
+                        f"{largest} chips); join slices with --slices, e.g. --topology {largest_name} "
+                        f"--slices {max(2, -(-chips // largest))}")
 
 
 def known_names() -> list[str]:

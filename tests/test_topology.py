@@ -90,3 +90,26 @@ def test_torus_description_keeps_weight_gathers_native():
     open_mesh = topologies.get_topology_desc(platform="tpu", topology_name=topo.libtpu_name,
                                              chip_config_name=topo.chip.chip_config, wrap=(False, False, False)).devices
     assert _weight_gather_collectives(topo, list(open_mesh)) == {"all-reduce"}
+
+
+@pytest.mark.parametrize("name,slices,per_slice,shape", [
+    ("v5e-512", 2, 256, (16, 16)), ("v5e-2048", 8, 256, (16, 16)), ("v6e-1024", 4, 256, (16, 16)),
+    ("v5e-256", 1, 256, (16, 16)),
+])
+def test_v5e_and_v6e_past_a_pod_are_several_slices(name, slices, per_slice, shape):
+    # Google Cloud: a v5e or v6e pod (the largest slice) is 256 chips, 16x16; more is multislice.
+    topo = parse(name)
+    assert (topo.slices, topo.chips_per_slice, topo.shape) == (slices, per_slice, shape)
+    assert topo.hosts == slices * 32 and parse(name, slices=2).slices == 2 * slices
+
+
+@pytest.mark.parametrize("name", ["v5p-16384", "v4-16384"])
+def test_past_the_largest_v4_or_v5p_slice_is_an_error(name):
+    # v5p's largest slice is 6144 chips (16x16x24), v4's pod 4096 chips.
+    with pytest.raises(TopologyError, match="larger than the largest .* --slices"):
+        parse(name)
+
+
+def test_v5e_past_a_pod_compiles_as_slices():
+    two = devices(parse("v5e-512"))
+    assert len(two) == 512 and sorted({d.slice_index for d in two}) == [0, 1]
