@@ -17,21 +17,23 @@ from mxc import __version__
 from mxc.compiler.allocator import compile_on_jemalloc
 from mxc.compiler.commands import UserError, print_error
 
+# In the order of the workflow, which is the order `mxc --help` lists them in: write and check
+# a spec, plan and compile it for a topology, then train, generate, and move checkpoints.
 COMMAND_MODULES = [
     "mxc.compiler.commands.check",
     "mxc.compiler.commands.show",
-    "mxc.compiler.commands.schema",
     "mxc.compiler.commands.fmt",
-    "mxc.compiler.commands.import_hf",
-    "mxc.compiler.commands.export_hf",
-    "mxc.compiler.commands.forward",
-    "mxc.compiler.commands.generate",
-    "mxc.compiler.commands.run",
-    "mxc.compiler.commands.tokenize",
+    "mxc.compiler.commands.schema",
+    "mxc.compiler.commands.topologies",
+    "mxc.compiler.commands.plan",
     "mxc.compiler.commands.compile",
     "mxc.compiler.commands.inspect",
-    "mxc.compiler.commands.plan",
-    "mxc.compiler.commands.topologies",
+    "mxc.compiler.commands.tokenize",
+    "mxc.compiler.commands.run",
+    "mxc.compiler.commands.generate",
+    "mxc.compiler.commands.forward",
+    "mxc.compiler.commands.import_hf",
+    "mxc.compiler.commands.export_hf",
 ]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3

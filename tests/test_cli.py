@@ -391,3 +391,14 @@ def test_units_flops_and_bytes():
     assert units.flops(12.0) == "12 FLOP"
     assert units.size_bytes(3 * 2**29) == "1.5 GiB"
     assert units.size_bytes(1000) == "1000 B"
+
+
+WORKFLOW_ORDER = ["check", "show", "fmt", "schema", "topologies", "plan", "compile", "inspect",
+                  "tokenize", "run", "generate", "forward", "import-hf", "export-hf"]
+
+
+def test_help_lists_commands_in_workflow_order(capsys):
+    code, out, _ = run_main(capsys, "--help")
+    listed = [line.split()[0] for line in out.split("COMMAND\n", 1)[1].splitlines()
+              if line.startswith("    ") and not line.startswith("     ")]
+    assert code == 0 and [name for name in listed if name in WORKFLOW_ORDER] == WORKFLOW_ORDER
