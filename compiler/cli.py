@@ -34,6 +34,7 @@ COMMAND_MODULES = [
     "mxc.compiler.commands.forward",
     "mxc.compiler.commands.import_hf",
     "mxc.compiler.commands.export_hf",
+    "mxc.compiler.commands.completion",
 ]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
