@@ -15,6 +15,7 @@ import sys
 
 from mxc import __version__
 from mxc.compiler.allocator import compile_on_jemalloc
+from mxc.compiler.topology import prepare_jax_platforms
 from mxc.compiler.commands import UserError, print_error
 
 # In the order of the workflow, which is the order `mxc --help` lists them in: write and check
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    # Before any command imports jax (and before a restart on jemalloc, which inherits it).
+    prepare_jax_platforms(getattr(args, "topology", None))
     if argv is None and getattr(args, "compiles", False):
         compile_on_jemalloc()  # may start this command again on jemalloc (see mxc.compiler.allocator)
     return _run(args)

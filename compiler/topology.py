@@ -9,9 +9,11 @@ Several TPU slices are joined over the data-centre network with `slices`.
 from __future__ import annotations
 
 import contextlib
+import glob
 import math
 import os
 import re
+import sys
 from dataclasses import asdict, dataclass
 
 GB = 1e9
@@ -249,6 +251,35 @@ def known_names() -> list[str]:
     return (["v4-8", "v4-128", "v4-1024", "v4-4096"] + ["v5e-1", "v5e-8", "v5e-16", "v5e-64", "v5e-256"]
             + ["v5p-8", "v5p-128", "v5p-512", "v5p-1024", "v5p-12288"]
             + ["v6e-1", "v6e-8", "v6e-64", "v6e-256"] + ["h100-8", "h100-8x4", "h200-8", "cpu-8", "local"])
+
+
+def host_has_accelerator() -> bool:
+    """Whether TPU (/dev/accel*, /dev/vfio/N) or NVIDIA GPU device files exist on this host."""
+    return any(glob.glob(pattern) for pattern in ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*"))
+
+
+def prepare_jax_platforms(topology_name: str | None = None) -> None:
+    """Before jax is imported: on a host without accelerators, keep jax to its CPU backend.
+
+    Otherwise jax probes libtpu, which prints `E0000 ... unexpected worker hostname` and other
+    start-up lines on a host without TPUs. Describing a TPU slice for compiling loads libtpu on
+    its own (devices() hides its noise there) and needs no TPU backend. A `cpu-N` topology gets
+    its N virtual devices here, since XLA reads that count only when jax starts. What the user
+    set (JAX_PLATFORMS, a device count in XLA_FLAGS) is left alone."""
+    if "jax" in sys.modules:
+        return
+    topology = None
+    if topology_name:
+        with contextlib.suppress(TopologyError):
+            topology = parse(topology_name)
+    if topology is not None and topology.platform == "gpu":
+        return  # the CUDA plugin describes GPUs; leave jax's platforms to it
+    if not host_has_accelerator():
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if topology is not None and topology.platform == "cpu" and topology.chips:
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={topology.chips}".strip()
 
 
 @contextlib.contextmanager
