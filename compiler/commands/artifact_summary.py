@@ -57,14 +57,14 @@ def render(summary: dict, console) -> None:
     console.print(f"[bold]{summary['model']}[/] for [bold]{topology['name']}[/]: {topology['devices']} "
                   f"{topology['device_kind']} devices, mesh {mesh}")
     table = Table(title_justify="left", show_edge=False)
-    for column in ("function", "args (GiB)", "temp (GiB)", "total/device", "XLA FLOPs", "compile"):
+    for column in ("function", "args", "temp", "total/device", "XLA FLOPs", "compile"):
         table.add_column(column, justify="left" if column == "function" else "right")
     for name, function in summary["functions"].items():
         memory = function["memory"]
         flops = function["cost"]["flops"]
-        table.add_row(name, f"{memory['argument_bytes'] / 2**30:.2f}", f"{memory['temp_bytes'] / 2**30:.2f}",
+        table.add_row(name, units.size_bytes(memory["argument_bytes"]), units.size_bytes(memory["temp_bytes"]),
                       units.size_bytes(memory["total_bytes"]), "-" if flops is None else units.flops(flops),
-                      f"{function['seconds'].get('compile', 0.0):.1f} s")
+                      units.duration(function["seconds"].get("compile", 0.0)))
     console.print(table)
     memory = summary["memory"]
     verdict = "[green]fits[/]" if memory["fits"] else "[red]does not fit[/]"
@@ -76,9 +76,9 @@ def render(summary: dict, console) -> None:
         line = (f"train step: {units.count(estimate['tokens_per_step'])} tokens, "
                 f"{units.flops(estimate['train_flops_per_step'])} "
                 f"({units.flops(estimate['flops_per_device'])} per device); "
-                f"at peak FLOP/s {estimate['step_seconds_at_peak']:.3g} s")
+                f"at peak FLOP/s {units.duration(estimate['step_seconds_at_peak'])}")
         if estimate.get("step_seconds") is not None:
-            line += f", planner's estimate {estimate['step_seconds']:.3g} s"
+            line += f", planner's estimate {units.duration(estimate['step_seconds'])}"
         console.print(line)
     plan = summary["plan"]
     console.print(f"plan: remat {plan.get('remat')}, {plan.get('microbatches')} microbatch(es), "
@@ -87,7 +87,7 @@ def render(summary: dict, console) -> None:
     console.print(f"built with jax {versions['jax']}, jaxlib {versions['jaxlib']}"
                   + (f", libtpu {versions['libtpu']}" if versions.get("libtpu") else "")
                   + (f", CUDA plugin {versions['cuda_plugin']}" if versions.get("cuda_plugin") else "")
-                  + f", mxc {versions['mxc']}; compiled in {summary['compile_seconds']:.1f} s")
+                  + f", mxc {versions['mxc']}; compiled in {units.duration(summary['compile_seconds'])}")
     if summary.get("compiler_options"):
         console.print("compiler options: " + ", ".join(f"{k}={v}" for k, v in summary["compiler_options"].items()))
     if summary.get("artifact"):
