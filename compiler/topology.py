@@ -16,6 +16,8 @@ import re
 import sys
 from dataclasses import asdict, dataclass
 
+from mxc.compiler.commands.units import size_bytes
+
 GB = 1e9
 GIB = 2**30
 
@@ -176,7 +178,7 @@ class Topology:
         shape = "x".join(str(s) for s in self.shape) if self.shape else "-"
         slices = f" x {self.slices} slices" if self.slices > 1 else ""
         return (f"{self.name}: {self.chips} {self.chip.name} chips ({shape}{slices}), "
-                f"{self.chip.hbm_bytes / GIB:.0f} GiB HBM each")
+                f"{size_bytes(self.chip.hbm_bytes)} HBM each")
 
     def to_json(self) -> dict:
         return {"name": self.name, "chip": self.chip.name, "platform": self.platform,

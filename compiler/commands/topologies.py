@@ -16,6 +16,7 @@ def register(subparsers) -> None:
 
 
 def handler(args: argparse.Namespace) -> int:
+    from mxc.compiler.commands.units import size_in
     from mxc.compiler.topology import CHIPS, XLA_USABLE_HBM, known_names, parse
 
     topologies = [parse(name) for name in known_names()]
@@ -34,8 +35,8 @@ def handler(args: argparse.Namespace) -> int:
         chips.add_column(column, justify="left" if column == "chip" else "right", no_wrap=True)
     for chip in CHIPS.values():
         usable = XLA_USABLE_HBM.get(chip.name)
-        chips.add_row(chip.name, f"{chip.peak_bf16_flops / 1e12:g}", f"{chip.hbm_bytes / 2**30:.1f}",
-                      "-" if usable is None else f"{usable / 2**30:.2f}", f"{chip.hbm_bandwidth / 1e9:g}",
+        chips.add_row(chip.name, f"{chip.peak_bf16_flops / 1e12:g}", size_in(chip.hbm_bytes),
+                      "-" if usable is None else size_in(usable), f"{chip.hbm_bandwidth / 1e9:g}",
                       f"{chip.ici_bandwidth / 1e9:g}", str(chip.ici_links), f"{chip.dcn_bandwidth / 1e9:.3g}",
                       str(chip.chips_per_host))
     console.print(chips)

@@ -7,6 +7,7 @@ import itertools
 from dataclasses import replace
 from typing import Iterator, Mapping, NamedTuple
 
+from mxc.compiler.commands.units import size_bytes
 from mxc.compiler.plan import activations, cost, memory
 from mxc.compiler.plan.choice import Choice
 from mxc.compiler.plan.layout import Parameters
@@ -150,4 +151,4 @@ def mesh_text(choice: Choice) -> str:
 
 
 def gib(value: float) -> str:
-    return f"{value / GIB:.1f} GiB"
+    return size_bytes(value)  # the unit that fits the value (units.py), not always GiB

@@ -3,6 +3,7 @@ what it lost by, and the next candidates with why each lost."""
 
 from __future__ import annotations
 
+from mxc.compiler.commands.units import duration
 from mxc.compiler.plan import memory
 from mxc.compiler.plan.candidates import Scored, fits, gib, mesh_text, rank
 from mxc.compiler.plan.plan import MESH_AXES, Candidate, Verification
@@ -30,7 +31,7 @@ class Verdicts:
             return f"predicted {gib(item.memory.total)}, beyond the {gib(self.margin)} kept without XLA's verdict"
         slower = item.time.step_s / chosen.time.step_s - 1
         if slower > 0.0005:
-            return f"{slower:.1%} slower ({item.time.step_s:.3g} s vs {chosen.time.step_s:.3g} s a step)"
+            return f"{slower:.1%} slower ({duration(item.time.step_s)} vs {duration(chosen.time.step_s)} a step)"
         if item.choice.microbatches != chosen.choice.microbatches:
             return f"as fast, with {item.choice.microbatches} microbatches instead of {chosen.choice.microbatches}"
         if item.choice.remat.endswith("offloaded") and not chosen.choice.remat.endswith("offloaded"):

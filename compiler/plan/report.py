@@ -3,28 +3,12 @@ estimated step time, why, and what lost."""
 
 from __future__ import annotations
 
+from mxc.compiler.commands.units import duration, rate, size_bytes
 from mxc.compiler.plan.plan import MESH_AXES, Plan
-
-GIB = 2**30
 
 
 def _size(value: int | float | None) -> str:
-    if value is None:
-        return "-"
-    if abs(value) >= GIB:
-        return f"{value / GIB:.2f} GiB"
-    return f"{value / 2**20:.1f} MiB"
-
-
-def _seconds(value: float) -> str:
-    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
-
-
-def _rate(value: float) -> str:
-    for unit, size in (("M", 1e6), ("k", 1e3)):
-        if value >= size:
-            return f"{value / size:.3g}{unit}"
-    return f"{value:.3g}"
+    return "-" if value is None else size_bytes(value)
 
 
 def verdict_text(plan: Plan) -> str:
@@ -78,12 +62,12 @@ def plan_text(plan: Plan, explain: bool = True) -> str:
         lines.append(f"    (XLA compiled the train step in {plan.xla.compile_seconds:.0f} s)")
     if plan.time is not None:
         t = plan.time
-        comm = ", ".join(f"{k} {_seconds(v)}" for k, v in t.communication.items()) or "none"
+        comm = ", ".join(f"{k} {duration(v)}" for k, v in t.communication.items()) or "none"
         lines += ["", "  step time (estimated)",
-                  f"    compute         {_seconds(t.compute_s)}",
-                  f"    memory traffic  {_seconds(t.memory_s)}",
-                  f"    communication   {_seconds(t.communication_s)} ({comm}); exposed {_seconds(t.exposed_communication_s)}",
-                  f"    step            {_seconds(t.step_s)}: {_rate(t.tokens_per_s)} tokens/s, MFU {t.mfu:.1%}"]
+                  f"    compute         {duration(t.compute_s)}",
+                  f"    memory traffic  {duration(t.memory_s)}",
+                  f"    communication   {duration(t.communication_s)} ({comm}); exposed {duration(t.exposed_communication_s)}",
+                  f"    step            {duration(t.step_s)}: {rate(t.tokens_per_s, 'tokens/s')}, MFU {t.mfu:.1%}"]
     if explain and plan.reasons:
         lines += ["", "  why"] + [f"    - {reason}" for reason in plan.reasons]
     if plan.advice:
@@ -92,7 +76,7 @@ def plan_text(plan: Plan, explain: bool = True) -> str:
         lines += ["", "  next candidates"]
         for c in plan.candidates:
             mesh = ", ".join(f"{k} {v}" for k, v in c.mesh.items())
-            step = "-" if c.step_s is None else _seconds(c.step_s)
+            step = "-" if c.step_s is None else duration(c.step_s)
             lines.append(f"    {mesh}; remat {c.remat}; {c.microbatches} mb: {_size(c.predicted_bytes)}, "
                          f"{step}: {c.lost_because}")
     return "\n".join(lines)
