@@ -16,7 +16,6 @@ from mxc.compiler.plan.rules import make_rules
 from mxc.compiler.topology import Topology
 from mxc.spec.ir import ModelSpec, MoE
 
-GIB = 2**30
 # MoE layers train on the lowering's capacity path with MaxText's dropping recipes' factor: the
 # dropless path sorts every assignment of the global batch, which XLA does not partition
 # (Mixtral 8x7B on v5p-256 asked for 7.25 TiB of temporaries), while the capacity path's

@@ -59,7 +59,7 @@ def plan_text(plan: Plan, explain: bool = True) -> str:
     lines += ["", f"  {'memory per device':<52}{'predicted':>12}{'XLA':>12}"]
     lines += [f"    {name:<50}{predicted:>12}{xla:>12}" for name, predicted, xla in memory_rows(plan)]
     if plan.xla.compile_seconds is not None:
-        lines.append(f"    (XLA compiled the train step in {plan.xla.compile_seconds:.0f} s)")
+        lines.append(f"    (XLA compiled the train step in {duration(plan.xla.compile_seconds)})")
     if plan.time is not None:
         t = plan.time
         comm = ", ".join(f"{k} {duration(v)}" for k, v in t.communication.items()) or "none"
