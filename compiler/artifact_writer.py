@@ -3,7 +3,8 @@
 Everything is written into a fresh temporary directory beside the destination and renamed into
 place, so a reader sees either no artifact or a whole one, and an interrupted compile leaves at
 most a `.tmp-*` directory behind. An existing destination is replaced only with `force`, and
-only if it is an mxc artifact (or empty): `--force` never deletes someone's other files.
+only if it is an mxc artifact whose manifest checks (or an empty folder) and that holds no file
+its manifest does not list: `--force` never deletes someone's other files.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from mxc.runtime.artifact import MANIFEST_NAME, Manifest, sha256_hex
-from mxc.runtime.artifact_reader import read_verified
+from mxc.runtime.artifact import MANIFEST_NAME, ArtifactError, Manifest, sha256_hex
+from mxc.runtime.artifact_reader import read_manifest, read_verified
 
 
 class ArtifactExistsError(FileExistsError):
@@ -31,9 +32,26 @@ def check_destination(destination: str | Path, force: bool) -> None:
         raise ArtifactExistsError(f"{destination} already exists; pass --force to replace it")
     if destination.is_symlink() or not destination.is_dir():
         raise ArtifactExistsError(f"{destination} exists and is not a directory; refusing to replace it")
-    if any(destination.iterdir()) and not (destination / MANIFEST_NAME).is_file():
-        raise ArtifactExistsError(f"{destination} exists and is not an mxc artifact (no {MANIFEST_NAME}); "
-                                  "refusing to replace it, even with --force")
+    if any(destination.iterdir()):
+        _check_replaceable_artifact(destination)
+
+
+def _check_replaceable_artifact(destination: Path) -> None:
+    """--force replaces an mxc artifact and nothing else: its manifest must read as one (format,
+    schema, manifest_sha256) and the folder must hold no file the manifest does not list, since
+    replacing the folder would delete that file."""
+    refusal = "refusing to replace it, even with --force"
+    try:
+        manifest = read_manifest(destination)
+    except ArtifactError as err:
+        raise ArtifactExistsError(f"{destination} exists and is not an mxc artifact ({err}); {refusal}") from None
+    present = {path.relative_to(destination).as_posix() for path in destination.rglob("*")
+               if path.is_file() or path.is_symlink()}
+    unlisted = sorted(present - set(manifest.files) - {MANIFEST_NAME})
+    if unlisted:
+        shown = ", ".join(unlisted[:5]) + (f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else "")
+        raise ArtifactExistsError(f"{destination} is an mxc artifact but also holds files its manifest does "
+                                  f"not list ({shown}); {refusal}")
 
 
 def _fsync_directory(path: Path) -> None:
