@@ -1,6 +1,7 @@
 """`--force` (issue 22): it replaces an mxc artifact and nothing else. A folder whose manifest.json
 is not an artifact's (or was edited), or that holds files beside the artifact's, is refused with
-a message naming what was found, and no user file is ever deleted."""
+a message naming what was found, and no user file is ever deleted. And what write_artifact writes
+follows the user's umask."""
 
 from __future__ import annotations
 
@@ -74,3 +75,19 @@ def test_force_fills_an_empty_folder(tmp_path):
     destination.mkdir()
     write_artifact(destination, _manifest(), {"weights.bin": b"new"}, force=True)
     assert (destination / "weights.bin").read_bytes() == b"new"
+
+
+def test_artifact_files_and_folders_follow_the_umask(tmp_path):
+    import os
+    import stat
+
+    previous = os.umask(0o022)
+    try:
+        destination = tmp_path / "out"
+        write_artifact(destination, _manifest(), {"weights.bin": b"w", "exports/train_step.bin": b"e"})
+    finally:
+        os.umask(previous)
+    modes = {path.relative_to(tmp_path).as_posix(): stat.S_IMODE(path.stat().st_mode)
+             for path in [destination, *destination.rglob("*")]}
+    assert modes == {"out": 0o755, "out/exports": 0o755, "out/exports/train_step.bin": 0o644,
+                     "out/weights.bin": 0o644, "out/manifest.json": 0o644}
