@@ -265,7 +265,8 @@ def prepare_jax_platforms(topology_name: str | None = None) -> None:
 
     Otherwise jax probes libtpu, which prints `E0000 ... unexpected worker hostname` and other
     start-up lines on a host without TPUs. Describing a TPU slice for compiling loads libtpu on
-    its own (devices() hides its noise there) and needs no TPU backend. A `cpu-N` topology gets
+    its own (devices() hides its noise there) and needs no TPU backend; the CUDA plugin describes
+    GPUs only under JAX_PLATFORMS=cpu on such a host (docs/compile.md). A `cpu-N` topology gets
     its N virtual devices here, since XLA reads that count only when jax starts. What the user
     set (JAX_PLATFORMS, a device count in XLA_FLAGS) is left alone."""
     if "jax" in sys.modules:
@@ -274,8 +275,6 @@ def prepare_jax_platforms(topology_name: str | None = None) -> None:
     if topology_name:
         with contextlib.suppress(TopologyError):
             topology = parse(topology_name)
-    if topology is not None and topology.platform == "gpu":
-        return  # the CUDA plugin describes GPUs; leave jax's platforms to it
     if not host_has_accelerator():
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if topology is not None and topology.platform == "cpu" and topology.chips:
