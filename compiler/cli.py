@@ -43,7 +43,11 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mxc", description="A declarative compiler from model specs to sharded XLA programs.")
+        prog="mxc", description="A declarative compiler from model specs to sharded XLA programs.",
+        epilog="The commands in the order of the workflow: write and check a spec (check, show, fmt, "
+               "schema); plan and compile it for a topology (topologies, plan, compile, inspect); "
+               "train and run it (tokenize, run, generate, forward); move checkpoints to and from "
+               "HuggingFace (import-hf, export-hf). `mxc COMMAND --help` says more.")
     parser.add_argument("--version", action="version", version=f"mxc {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     for name in COMMAND_MODULES:
