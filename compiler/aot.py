@@ -25,12 +25,12 @@ from jax.sharding import Mesh, NamedSharding
 from mxc.compiler.lower.optimizer import OptimizerConfig
 from mxc.compiler.lower.sharding import named_sharding, use_rules
 from mxc.compiler.plan import Plan
-from mxc.compiler.plan.plan import Verification
+from mxc.compiler.plan.plan import Verification, spec_hash
 from mxc.compiler.plan.verify import plan_mesh
 from mxc.compiler.topology import Topology
 from mxc.compiler.xla_options import compiler_options
 from mxc.runtime.artifact import (FORMAT_VERSION, Cost, Estimate, Function, Leaf, Manifest, Memory,
-                                  Topology as TopologyRecord, canonical_hash)
+                                  Topology as TopologyRecord)
 from mxc.runtime.artifact_reader import installed_versions
 from mxc.spec.ir import ModelSpec
 
@@ -343,7 +343,7 @@ def build_artifact(spec: ModelSpec, topology: Topology, devices: list, plan: Pla
     plan = judged_plan(plan, train_step, usable_per_device,
                        0.0 if train_step is None else train_step.seconds.get("compile", 0.0))
     manifest = Manifest(
-        format_version=FORMAT_VERSION, model=spec.name, spec=spec_json, spec_hash=canonical_hash(spec_json),
+        format_version=FORMAT_VERSION, model=spec.name, spec=spec_json, spec_hash=spec_hash(spec),
         plan=plan_json(plan), run=run.to_json(), topology=record, versions=installed_versions(),
         functions=functions, files={}, estimate=estimate(spec, record, topology.chip.peak_bf16_flops, run, plan),
         compiler_options=options, compile_seconds=round(time.perf_counter() - started, 3),

@@ -279,6 +279,24 @@ def test_a_plan_for_another_topology_is_refused(base, tmp_path):
     assert f"{plan} is a plan for cpu-4 (4 chips), not cpu-8 (8 chips)" in done.stderr
 
 
+def test_a_plan_for_another_model_is_refused(base, tmp_path):
+    plan = tmp_path / "plan.json"
+    made = run_mxc(base, "plan", "mla-tiny", "--topology", "cpu-8", "--seq", "32", "--batch", "8",
+                   "--no-verify", "-o", str(plan))
+    assert made.returncode == 0, made.stderr
+    data = json.loads(plan.read_text())
+    assert data["model"] == "mla-tiny" and len(data["spec_hash"]) == 64
+    compile_args = ["--topology", "cpu-8", "--plan", str(plan), "-o", str(tmp_path / "out")]
+    done = run_mxc(base, "compile", "llama3-tiny", *compile_args)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert f"{plan} is a plan for mla-tiny, not llama3-tiny" in done.stderr
+    # Same name, another spec (edited since it was planned): refused too.
+    plan.write_text(json.dumps({**data, "spec_hash": "0" * 64}))
+    done = run_mxc(base, "compile", "mla-tiny", *compile_args)
+    assert done.returncode == 1 and f"{plan} is a plan for another version of mla-tiny" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
 # ------------------------------------------------------------------ compile time under scan
 
 SCAN_TIMING = r"""

@@ -91,6 +91,7 @@ def choose_plan(spec, topology, seq: int, batch: int, args):
             raise UserError(f"no such plan file: {args.plan}") from None
         except ValueError as err:
             raise UserError(f"{args.plan} is not a valid plan: {err}") from None
+        _check_plan_is_for(chosen, spec, args.plan)
         if chosen.topology != topology.name or chosen.chips != topology.chips:
             raise UserError(f"{args.plan} is a plan for {chosen.topology} ({chosen.chips} chips), not "
                             f"{topology.name} ({topology.chips} chips)")
@@ -107,6 +108,18 @@ def choose_plan(spec, topology, seq: int, batch: int, args):
                     microbatches=args.microbatches, verify=False)
     except PlanError as err:
         raise UserError(str(err)) from None
+
+
+def _check_plan_is_for(chosen, spec, path: str) -> None:
+    """A plan's shardings are sized for the model it was made for; another model's plan would
+    compile into an artifact whose manifest names one model and carries another's plan."""
+    from mxc.compiler.plan.plan import spec_hash
+
+    if chosen.model != spec.name:
+        raise UserError(f"{path} is a plan for {chosen.model}, not {spec.name}: plan {spec.name} with mxc plan")
+    if chosen.spec_hash and chosen.spec_hash != spec_hash(spec):
+        raise UserError(f"{path} is a plan for another version of {spec.name} (its spec changed since, or "
+                        f"other --set values): plan {spec.name} again with mxc plan")
 
 
 def _batch_divisor(plan, axis: str = "batch") -> int:

@@ -108,9 +108,17 @@ class Candidate(_Value):
     lost_because: str
 
 
+def spec_hash(spec) -> str:
+    """sha256 of the resolved spec's canonical JSON: the manifest's spec_hash, and a plan's."""
+    from mxc.runtime.artifact import canonical_hash
+
+    return canonical_hash(spec.model_dump(mode="json"))
+
+
 class Plan(_Value):
     format_version: int = FORMAT_VERSION
     model: str
+    spec_hash: str = ""  # of the spec planned for (see spec_hash()); "" in plans saved before it was kept
     topology: str
     slices: int = 1
     chips: int

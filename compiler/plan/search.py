@@ -15,7 +15,7 @@ from mxc.compiler.plan.candidates import (Scored, attention_for, choices, descri
 from mxc.compiler.plan.choice import Choice
 from mxc.compiler.plan.explain import Verdicts
 from mxc.compiler.plan.layout import parameters
-from mxc.compiler.plan.plan import MESH_AXES, Plan, Verification
+from mxc.compiler.plan.plan import MESH_AXES, Plan, Verification, spec_hash
 from mxc.compiler.plan.rules import make_rules
 from mxc.compiler.topology import Topology
 from mxc.spec.ir import ModelSpec
@@ -148,7 +148,8 @@ def _plan_value(spec, topology: Topology, seq: int, batch: int, pins, item: Scor
                 fits_now: bool) -> Plan:
     choice = item.choice
     return Plan(
-        model=spec.name, topology=topology.name, slices=topology.slices, chips=topology.chips,
+        model=spec.name, spec_hash=spec_hash(spec), topology=topology.name, slices=topology.slices,
+        chips=topology.chips,
         chip=topology.chip.name, hbm_bytes=topology.usable_hbm_bytes, seq=seq, batch=batch,
         mesh=dict(choice.mesh), dcn=dict(choice.dcn),
         rules={k: list(v) for k, v in choice.rules.items()}, remat=choice.remat,
