@@ -60,3 +60,14 @@ def test_zsh_and_fish_scripts_name_every_subcommand_and_the_zoo(capsys, shell):
 def test_unknown_shell_is_a_usage_error(capsys):
     assert cli.main(["completion", "tcsh"]) == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_fish_completes_zoo_models(capsys, tmp_path):
+    script = tmp_path / "mxc.fish"
+    script.write_text(completion_script(capsys, "fish"))
+    fish = shutil.which("fish")
+    if fish is None:  # without fish, the script's text is checked above
+        return
+    done = subprocess.run([fish, "-c", f"source {script}; complete -C 'mxc plan llama3-t'"],
+                          capture_output=True, text=True)
+    assert [line.split("\t")[0] for line in done.stdout.splitlines()] == ["llama3-tiny"], done.stderr
