@@ -41,7 +41,8 @@ def handler(args: argparse.Namespace) -> int:
                       str(chip.chips_per_host))
     console.print(chips)
     names = Table(title="topologies (examples): v4-N and v5p-N count TensorCores, v5e-N and v6e-N chips; "
-                        "--slices K joins K TPU slices", title_justify="left")
+                        "--slices K joins K TPU slices (v5e-N and v6e-N past 256 chips are N/256 slices of 256)",
+                  title_justify="left")
     for column in ("name", "chips", "chip", "shape", "hosts", "libtpu name"):
         names.add_column(column, justify="right" if column in ("chips", "hosts") else "left")
     for topology in topologies:
