@@ -126,6 +126,18 @@ def test_inspect_prints_the_summary(tiny, base):
     assert text.returncode == 0 and "train_step" in text.stdout and "memory per device" in text.stdout
 
 
+def test_inspect_shows_shapes_optimizer_and_serve_shapes(tiny, base):
+    # TINY_CPU8: --seq 32 --batch 8 --serve --cache-len 32; the prompt defaults to half the cache.
+    run = json.loads(run_mxc(base, "inspect", str(tiny), "--json").stdout)["run"]
+    assert (run["seq"], run["batch"], run["cache_len"], run["prompt_len"]) == (32, 8, 32, 16)
+    assert run["optimizer"]["learning_rate"] == 3e-4 and run["optimizer"]["weight_decay"] == 0.1
+    text = " ".join(run_mxc(base, "inspect", str(tiny)).stdout.split())  # as read, whatever the wrapping
+    assert "shapes: seq 32, batch 8 sequences" in text
+    assert "optimizer: AdamW, lr 0.0003, warmup 1000 steps, cosine to 0.1 x by step 10000" in text
+    assert "b1 0.9, b2 0.95, eps 1e-08, weight decay 0.1, clip norm 1" in text
+    assert f"serve: batch {run['serve_batch']}, prompt 16, cache 32 tokens" in text
+
+
 # ------------------------------------------------------------------ cache and atomic writes
 
 def test_unchanged_model_comes_from_the_compile_cache(tiny, base, tmp_path):

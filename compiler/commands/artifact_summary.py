@@ -80,6 +80,8 @@ def render(summary: dict, console) -> None:
         if estimate.get("step_seconds") is not None:
             line += f", planner's estimate {units.duration(estimate['step_seconds'])}"
         console.print(line)
+    for line in run_lines(summary["run"]):
+        console.print(line)
     plan = summary["plan"]
     console.print(f"plan: remat {plan.get('remat')}, {plan.get('microbatches')} microbatch(es), "
                   f"attention {plan.get('attention', '-')}")
@@ -92,3 +94,21 @@ def render(summary: dict, console) -> None:
         console.print("compiler options: " + ", ".join(f"{k}={v}" for k, v in summary["compiler_options"].items()))
     if summary.get("artifact"):
         console.print(f"artifact: {summary['artifact']} ({units.size_bytes(summary['size_bytes'])})")
+
+
+def run_lines(run: dict) -> list[str]:
+    """What the functions were built for: shapes, the optimizer compiled into the train step, and
+    with --serve the serving shapes (the runtime refuses other shapes, so a user needs them)."""
+    lines = [f"shapes: seq {run['seq']}, batch {run['batch']} sequences"]
+    if run.get("optimizer"):
+        from mxc.compiler.lower.optimizer import OptimizerConfig
+
+        o = OptimizerConfig.model_validate(run["optimizer"])
+        lines.append(f"optimizer: AdamW, lr {o.learning_rate:g}, warmup {o.resolved_warmup_steps} steps, "
+                     f"cosine to {o.min_lr_ratio:g} x by step {o.total_steps}")
+        lines.append(f"  b1 {o.b1:g}, b2 {o.b2:g}, eps {o.eps:g}, weight decay {o.weight_decay:g}, "
+                     f"clip norm {'none' if o.clip_norm is None else f'{o.clip_norm:g}'}")
+    if run.get("serve"):
+        lines.append(f"serve: batch {run['serve_batch']}, prompt {run['prompt_len']}, "
+                     f"cache {run['cache_len']} tokens")
+    return lines
