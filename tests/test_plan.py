@@ -254,3 +254,42 @@ def test_recipes_fit_by_xla_and_predictions_are_within_15_percent(model, topolog
     assert result.xla.status == "fits", str(result)
     assert abs(result.predicted.total / result.xla.memory.total - 1) <= 0.15, str(result)
     assert 0 < result.time.mfu < 1
+
+
+# ------------------------------------------------------------------ plan and compile agree
+
+PLANNING_OPTIONS = ("--topology", "--slices", "--seq", "--batch", "--pin", "--remat", "--microbatches")
+
+
+def test_plan_and_compile_take_the_same_planning_arguments(capsys):
+    from mxc.compiler.cli import build_parser
+
+    subparsers = next(a for a in build_parser()._actions if a.choices and "plan" in a.choices).choices
+
+    def planning(command):
+        actions = {a.option_strings[0] if a.option_strings else a.dest: a for a in subparsers[command]._actions}
+        return {name: (tuple(actions[name].option_strings), actions[name].default, actions[name].required,
+                       actions[name].help, None if actions[name].choices is None else tuple(actions[name].choices))
+                for name in ("model", *PLANNING_OPTIONS)}
+
+    assert planning("plan") == planning("compile")
+    assert planning("plan")["--topology"][0] == ("--topology", "-t")
+    assert planning("plan")["--remat"][4] == tuple(POLICIES)
+    assert main(["plan", "--help"]) == 0
+    assert ", ".join(POLICIES) in " ".join(capsys.readouterr().out.split())  # the help lists the policies
+
+
+def test_plan_defaults_to_compiles_shapes_and_verifies_cpu_topologies(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    mxc = Path(sys.executable).with_name("mxc")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    done = subprocess.run([str(mxc), "plan", "llama3-tiny", "-t", "cpu-8", "--pin", "fsdp=8", "--json"],
+                          capture_output=True, text=True, env={**env, "MXC_CACHE_DIR": str(tmp_path)}, timeout=900)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    # MaxText's recipe, as compile uses it: min(4096, max_seq) tokens, 4 sequences per chip.
+    assert (result["seq"], result["batch"]) == (min(4096, load_model("llama3-tiny").max_seq), 4 * 8)
+    assert result["xla"]["status"] == "fits", result["xla"]  # compiled for 8 host devices, not "unavailable"

@@ -1,7 +1,8 @@
 """`mxc compile MODEL --topology T`: plan, lower and compile every function of a model for a
 topology, and write the artifact (see mxc.runtime.artifact for its layout).
 
-Defaults follow MaxText's recipe: 4 sequences of min(4096, max_seq) tokens per chip. Progress
+The planning arguments and their defaults (MaxText's recipe: 4 sequences of min(4096, max_seq)
+tokens per chip) are mxc plan's (add_planning_arguments). Progress
 goes to stderr stage by stage; the summary (or with --json the summary as JSON) to stdout.
 """
 
@@ -15,9 +16,7 @@ import sys
 import time
 
 from mxc.compiler.commands import UserError
-
-SEQUENCES_PER_CHIP = 4
-DEFAULT_SEQ = 4096
+from mxc.compiler.commands.plan import add_planning_arguments, parse_pins, planning_shapes
 TRAIN_FUNCTIONS = ("init", "train_step", "eval_step")
 SERVE_FUNCTIONS = ("prefill", "decode")
 
@@ -27,18 +26,8 @@ def register(subparsers) -> None:
         "compile", help="compile a model for a topology into an artifact",
         description="Compile init, train step and eval step (with --serve also prefill and decode) "
                     "of MODEL for topology T, and write the artifact directory.")
-    parser.add_argument("model", metavar="MODEL", help="a zoo name, a .mspec file or FILE.mspec:NAME")
-    parser.add_argument("--topology", "-t", required=True, metavar="T",
-                        help="v5p-1024, v5e-256, v6e-8, v4-128, h100-8, h100-8x4, cpu-8 or local")
-    parser.add_argument("--slices", type=int, default=1, metavar="K", help="TPU slices joined over DCN")
-    parser.add_argument("--seq", type=int, metavar="S", help="tokens per sequence (default: min(4096, max_seq))")
-    parser.add_argument("--batch", type=int, metavar="B",
-                        help=f"global batch in sequences (default: {SEQUENCES_PER_CHIP} per chip)")
+    add_planning_arguments(parser)
     parser.add_argument("--plan", metavar="PLAN.json", help="a plan to follow (from mxc plan -o) instead of planning")
-    parser.add_argument("--pin", action="append", default=[], metavar="AXIS=N",
-                        help="fix a mesh axis size for the planner (data, fsdp, tensor, expert, context)")
-    parser.add_argument("--remat", metavar="POLICY", help="fix the remat policy for the planner")
-    parser.add_argument("--microbatches", type=int, metavar="N", help="fix the microbatch count for the planner")
     parser.add_argument("--learning-rate", type=float, metavar="LR",
                         help="peak learning rate of the compiled train step (default 3e-4)")
     parser.add_argument("--warmup-steps", type=int, metavar="N", help="linear warmup (default: a tenth of the total)")
@@ -99,10 +88,6 @@ def choose_plan(spec, topology, seq: int, batch: int, args):
             raise UserError(f"{args.plan} plans sequences of {chosen.seq} in batches of {chosen.batch}, "
                             f"not {seq} and {batch}: drop --seq/--batch or plan again")
         return chosen
-    from mxc.compiler.commands.plan import parse_pins
-
-    if args.microbatches is not None and (args.microbatches < 1 or batch % args.microbatches):
-        raise UserError(f"--microbatches {args.microbatches} must divide the batch of {batch}")
     try:
         return plan(spec, topology, seq=seq, batch=batch, pins=parse_pins(args.pin), remat=args.remat,
                     microbatches=args.microbatches, verify=False)
@@ -130,15 +115,10 @@ def _batch_divisor(plan, axis: str = "batch") -> int:
 
 
 def shapes(args, spec, topology) -> tuple[int, int]:
-    """(seq, batch): the flags, a plan file's, or MaxText's recipe of 4 x min(4096, max_seq) per chip."""
-    for name in ("seq", "batch", "serve_batch", "prompt_len", "cache_len"):
+    """(seq, batch): the flags, a plan file's, or the planning defaults (planning_shapes)."""
+    for name in ("serve_batch", "prompt_len", "cache_len"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
-    planned = _plan_shapes(args.plan) if args.plan else None
-    seq = args.seq or (planned[0] if planned else min(DEFAULT_SEQ, spec.max_seq))
-    if seq > spec.max_seq:
-        raise UserError(f"--seq {seq} exceeds {spec.name}'s max_seq of {spec.max_seq}")
-    batch = args.batch or (planned[1] if planned else SEQUENCES_PER_CHIP * topology.chips)
-    return seq, batch
+    return planning_shapes(args, spec, topology, _plan_shapes(args.plan) if args.plan else None)
 
 
 def _plan_shapes(path: str) -> tuple[int, int] | None:

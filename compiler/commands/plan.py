@@ -1,5 +1,6 @@
-"""`mxc plan MODEL --topology T --seq S --batch B`: the mesh, sharding rules, remat policy and
-microbatches for training MODEL on T, checked by compiling the train step for T."""
+"""`mxc plan MODEL --topology T`: the mesh, sharding rules, remat policy and microbatches for
+training MODEL on T, checked by compiling the train step for T. The planning arguments (and their
+defaults) are shared with `mxc compile`: add_planning_arguments, planning_shapes."""
 
 from __future__ import annotations
 
@@ -10,23 +11,18 @@ import sys
 from mxc.compiler.commands import UserError
 
 
+# MaxText's recipe when --seq/--batch are not given: 4 sequences of min(4096, max_seq) per chip.
+SEQUENCES_PER_CHIP = 4
+DEFAULT_SEQ = 4096
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "plan", help="choose mesh, sharding, remat and microbatches for a model on a topology",
         description="Search mesh factorisations, remat policies and microbatch counts for training "
                     "MODEL on a topology, rank them by estimated step time among those predicted to "
-                    "fit, and compile the best for the real topology: XLA's memory analysis decides. "
-                    "MODEL is a zoo name, a .mspec file or FILE.mspec:NAME.")
-    parser.add_argument("model", metavar="MODEL")
-    parser.add_argument("--topology", required=True, metavar="T",
-                        help="v5p-512, v6e-256, v5e-16, h100-8, cpu-8, ... (mxc topologies lists them)")
-    parser.add_argument("--seq", type=int, required=True, metavar="S", help="tokens per sequence")
-    parser.add_argument("--batch", type=int, required=True, metavar="B", help="global batch, in sequences")
-    parser.add_argument("--slices", type=int, default=1, metavar="K", help="TPU slices joined over DCN")
-    parser.add_argument("--pin", action="append", default=[], metavar="AXIS=N",
-                        help="fix a mesh axis size (data, fsdp, tensor, expert, context); repeatable")
-    parser.add_argument("--remat", metavar="POLICY", help="fix the remat policy instead of searching")
-    parser.add_argument("--microbatches", type=int, metavar="N", help="fix the microbatch count")
+                    "fit, and compile the best for the real topology: XLA's memory analysis decides.")
+    add_planning_arguments(parser)
     parser.add_argument("--attempts", type=int, default=3, metavar="N",
                         help="candidates to compile before giving up (default 3)")
     parser.add_argument("--no-verify", action="store_true",
@@ -36,6 +32,59 @@ def register(subparsers) -> None:
                         help="also print why each choice was made and the candidates that lost")
     parser.add_argument("-o", "--output", metavar="PLAN.json", help="save the plan as JSON (for mxc compile --plan)")
     parser.set_defaults(func=handler, compiles=True)
+
+
+class _RematPolicies:
+    """The remat policy names for argparse's choices, read from the planner's table only when
+    argparse checks a value or prints help: importing the planner would add 0.3 s to every mxc start."""
+
+    @staticmethod
+    def _names() -> tuple[str, ...]:
+        from mxc.compiler.plan.activations import POLICIES
+
+        return tuple(POLICIES)
+
+    def __contains__(self, name) -> bool:
+        return name in self._names()
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+
+def add_planning_arguments(parser) -> None:
+    """What `mxc plan` and `mxc compile` both take to plan a model on a topology, with the same
+    defaults (resolved by planning_shapes)."""
+    parser.add_argument("model", metavar="MODEL", help="a zoo name, a .mspec file or FILE.mspec:NAME")
+    parser.add_argument("--topology", "-t", required=True, metavar="T",
+                        help="v5p-1024, v5e-256, v6e-8, h100-8, h100-8x4, cpu-8, local, ... "
+                             "(mxc topologies lists them)")
+    parser.add_argument("--slices", type=int, default=1, metavar="K", help="TPU slices joined over DCN")
+    parser.add_argument("--seq", type=int, metavar="S", help="tokens per sequence (default: min(4096, max_seq))")
+    parser.add_argument("--batch", type=int, metavar="B",
+                        help=f"global batch in sequences (default: {SEQUENCES_PER_CHIP} per chip)")
+    parser.add_argument("--pin", action="append", default=[], metavar="AXIS=N",
+                        help="fix a mesh axis size (data, fsdp, tensor, expert, context); repeatable")
+    parser.add_argument("--remat", choices=_RematPolicies(), metavar="POLICY",
+                        help="fix the remat policy instead of searching: %(choices)s")
+    parser.add_argument("--microbatches", type=int, metavar="N", help="fix the microbatch count")
+
+
+def planning_shapes(args, spec, topology, planned: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(seq, batch): the flags, else `planned` (a plan file's), else MaxText's recipe of
+    4 x min(4096, max_seq) per chip. Checks --microbatches against the batch."""
+    for flag, value in (("--seq", args.seq), ("--batch", args.batch)):
+        if value is not None and value <= 0:
+            raise UserError(f"{flag} must be a positive number, not {value}")
+    seq = args.seq or (planned[0] if planned else min(DEFAULT_SEQ, spec.max_seq))
+    if seq > spec.max_seq:
+        raise UserError(f"--seq {seq} exceeds {spec.name}'s max_seq of {spec.max_seq}")
+    batch = args.batch or (planned[1] if planned else SEQUENCES_PER_CHIP * topology.chips)
+    if args.microbatches is not None and (args.microbatches < 1 or batch % args.microbatches):
+        raise UserError(f"--microbatches {args.microbatches} must divide the batch of {batch}")
+    return seq, batch
 
 
 def parse_pins(pins: list[str]) -> dict[str, int]:
@@ -57,25 +106,18 @@ def handler(args: argparse.Namespace) -> int:
     from mxc.compiler.plan import PlanError, plan
     from mxc.compiler.topology import TopologyError, parse
 
-    for flag, value in (("--seq", args.seq), ("--batch", args.batch), ("--attempts", args.attempts)):
-        if value < 1:
-            raise UserError(f"{flag} must be positive, not {value}")
-    if args.microbatches is not None and (args.microbatches < 1 or args.batch % args.microbatches):
-        raise UserError(f"--microbatches {args.microbatches} must divide --batch {args.batch}")
+    if args.attempts < 1:
+        raise UserError(f"--attempts must be a positive number, not {args.attempts}")
     pins = parse_pins(args.pin)
-    if args.remat is not None:
-        from mxc.compiler.plan.activations import POLICIES
-
-        if args.remat not in POLICIES:
-            raise UserError(f"--remat {args.remat}: unknown policy; choose one of {', '.join(POLICIES)}")
     try:
         topology = parse(args.topology, args.slices)
     except TopologyError as err:
         raise UserError(str(err)) from None
     spec = load_one(args.model)
+    seq, batch = planning_shapes(args, spec, topology)
     say = (lambda message: print(f"mxc plan: {message}", file=sys.stderr, flush=True))
     try:
-        result = plan(spec, topology, seq=args.seq, batch=args.batch, pins=pins, remat=args.remat,
+        result = plan(spec, topology, seq=seq, batch=batch, pins=pins, remat=args.remat,
                       microbatches=args.microbatches, verify=not args.no_verify, attempts=args.attempts,
                       progress=say)
     except PlanError as err:
