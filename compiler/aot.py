@@ -1,6 +1,6 @@
 """Ahead-of-time compilation: every function of a model, lowered and compiled for one topology.
 
-    build_artifact(spec, topology, devices, plan, run) -> (Manifest without file hashes, {relpath: bytes})
+    compile_artifact(spec, topology, run, plan=None) -> Artifact (manifest without file hashes, {relpath: bytes})
 
 Each function is compiled as a *flat* function of its leaves: the executable's parameters are
 exactly the manifest's input leaves, in order, and its results the output leaves. So the runtime
@@ -79,28 +79,48 @@ def _shapes(tree, dtype=None):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype), tree)
 
 
-def model_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig) -> list[Traceable]:
-    """init, train_step, eval_step; with run.serve also prefill and decode."""
-    from mxc.compiler.lower.train import (abstract_train_state, init_train_state, make_eval_step,
-                                          make_train_step, train_state_shardings)
+def _register_kernels(plan: Plan) -> None:
+    if plan.attention.startswith("splash"):
+        import mxc.compiler.lower.splash  # noqa: F401  (registers the kernel with attention_core)
 
+
+def abstract_batch(batch: int, seq: int) -> dict:
+    """The train and eval steps' batch as ShapeDtypeStructs: inputs, targets and mask, [batch, seq]."""
+    shape = (batch, seq)
+    return {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32), "targets": jax.ShapeDtypeStruct(shape, jnp.int32),
+            "mask": jax.ShapeDtypeStruct(shape, jnp.float32)}
+
+
+def train_step_function(spec: ModelSpec, plan: Plan, mesh: Mesh, optimizer: OptimizerConfig) -> Traceable:
+    """The train step as compiled: the one builder that `mxc compile` and the planner's
+    verification (mxc.compiler.plan.verify) both use, so that XLA judges the program compile writes."""
+    from mxc.compiler.lower.train import abstract_train_state, make_train_step, train_state_shardings
+
+    _register_kernels(plan)
     rules = plan.rules_tuples()
     replicated = named_sharding((), mesh, rules)
     tokens = named_sharding(("batch", "seq"), mesh, rules)
-
-    def all_replicated(tree):
-        return jax.tree.map(lambda _: replicated, tree)
-
-    opt = run.optimizer
-    state_shardings = train_state_shardings(spec, opt, mesh, rules)
-    abstract_state = abstract_train_state(spec, opt)
-    batch = {"inputs": jax.ShapeDtypeStruct((run.batch, run.seq), jnp.int32),
-             "targets": jax.ShapeDtypeStruct((run.batch, run.seq), jnp.int32),
-             "mask": jax.ShapeDtypeStruct((run.batch, run.seq), jnp.float32)}
-    batch_shardings = {key: tokens for key in batch}
+    state_shardings = train_state_shardings(spec, optimizer, mesh, rules)
+    batch = abstract_batch(plan.batch, plan.seq)
     # The plan's expert path (dropless, capacity, megablox) is what XLA's verdict was about.
-    train_step = make_train_step(spec, opt, microbatches=plan.microbatches, remat=plan.remat,
-                                 attention_impl=plan.attention, moe=plan.moe_config())
+    step = make_train_step(spec, optimizer, microbatches=plan.microbatches, remat=plan.remat,
+                           attention_impl=plan.attention, moe=plan.moe_config())
+    return Traceable("train_step", step, ("state", "batch"), (abstract_train_state(spec, optimizer), batch),
+                     (state_shardings, {key: tokens for key in batch}),
+                     lambda out: (state_shardings, jax.tree.map(lambda _: replicated, out[1])), donate=(0,))
+
+
+def model_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig) -> list[Traceable]:
+    """init, train_step, eval_step; with run.serve also prefill and decode."""
+    from mxc.compiler.lower.train import init_train_state, make_eval_step
+
+    if (run.seq, run.batch) != (plan.seq, plan.batch):
+        plan = plan.model_copy(update={"seq": run.seq, "batch": run.batch})
+    train_step = train_step_function(spec, plan, mesh, run.optimizer)
+    abstract_state, batch = train_step.args
+    state_shardings, batch_shardings = train_step.in_shardings
+    replicated = named_sharding((), mesh, plan.rules_tuples())
+    opt = run.optimizer
     eval_step = make_eval_step(spec, attention_impl=plan.attention, moe=plan.moe_config())
 
     def init(seed):
@@ -109,11 +129,9 @@ def model_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig) -> 
     functions = [
         Traceable("init", init, ("seed",), (jax.ShapeDtypeStruct((), jnp.int32),), (replicated,),
                   lambda _: state_shardings),
-        Traceable("train_step", train_step, ("state", "batch"), (abstract_state, batch),
-                  (state_shardings, batch_shardings),
-                  lambda out: (state_shardings, all_replicated(out[1])), donate=(0,)),
+        train_step,
         Traceable("eval_step", eval_step, ("params", "batch"), (abstract_state.params, batch),
-                  (state_shardings.params, batch_shardings), all_replicated),
+                  (state_shardings.params, batch_shardings), lambda out: jax.tree.map(lambda _: replicated, out)),
     ]
     if run.serve:
         functions += serve_functions(spec, plan, mesh, run, abstract_state.params, state_shardings.params)
@@ -228,9 +246,19 @@ class CompiledFunction:
     export: bytes
 
 
-def compile_function(traceable: Traceable, mesh: Mesh, rules, platform: str, stages: Stages,
-                     options: dict | None = None) -> CompiledFunction:
-    name = traceable.name
+@dataclass(frozen=True)
+class LoweredFunction:
+    """A Traceable lowered as a flat function of its leaves (see the module's docstring)."""
+
+    jitted: Callable
+    avals: list  # ShapeDtypeStructs with their shardings, one per input leaf
+    inputs: list[Leaf]
+    outputs: list[Leaf]
+    lowered: object  # jax.stages.Lowered
+
+
+def lower_function(traceable: Traceable, mesh: Mesh, rules, stages: Stages | None = None) -> LoweredFunction:
+    stages = stages or Stages()
     in_flat, in_tree = jax.tree_util.tree_flatten_with_path(traceable.args)
     in_shardings = in_tree.flatten_up_to(traceable.in_shardings)
     with use_rules(mesh, rules):
@@ -249,21 +277,28 @@ def compile_function(traceable: Traceable, mesh: Mesh, rules, platform: str, sta
                      keep_unused=True)
     avals = [jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
              for (_, value), sharding in zip(in_flat, in_shardings)]
+    with use_rules(mesh, rules), stages.stage(f"{traceable.name}: lower"):
+        lowered = jitted.lower(*avals)
+    return LoweredFunction(jitted, avals, inputs, outputs, lowered)
+
+
+def compile_function(traceable: Traceable, mesh: Mesh, rules, platform: str, stages: Stages,
+                     options: dict | None = None) -> CompiledFunction:
+    name = traceable.name
+    lowered = lower_function(traceable, mesh, rules, stages)
     seconds = {}
     with use_rules(mesh, rules):
-        with stages.stage(f"{name}: lower"):
-            lowered = jitted.lower(*avals)
         with stages.stage(f"{name}: compile"):
-            compiled = lowered.compile(compiler_options=options or None)
+            compiled = lowered.lowered.compile(compiler_options=options or None)
             executable_bytes = bytes(compiled.runtime_executable().serialize())
         with stages.stage(f"{name}: export"):
-            exported = jax.export.export(jitted, platforms=[EXPORT_PLATFORMS[platform]])(*avals)
+            exported = jax.export.export(lowered.jitted, platforms=[EXPORT_PLATFORMS[platform]])(*lowered.avals)
             export_bytes = bytes(exported.serialize())
     for stage in ("lower", "compile", "export"):
         seconds[stage] = round(stages.seconds[f"{name}: {stage}"], 3)
         seconds[f"{stage}_cpu"] = round(stages.cpu_seconds[f"{name}: {stage}"], 3)
     function = Function(name=name, arguments=list(traceable.arguments), executable=f"{name}.executable",
-                        export=f"{name}.stablehlo", inputs=inputs, outputs=outputs,
+                        export=f"{name}.stablehlo", inputs=lowered.inputs, outputs=lowered.outputs,
                         donation=list(traceable.donate), memory=_memory(compiled), cost=_cost(compiled),
                         seconds=seconds)
     return CompiledFunction(function, executable_bytes, export_bytes)
@@ -326,8 +361,6 @@ def build_artifact(spec: ModelSpec, topology: Topology, devices: list, plan: Pla
     mesh = plan_mesh(plan, topology, devices)
     record = topology_record(topology, mesh)
     rules = plan.rules_tuples()
-    if plan.attention.startswith("splash"):
-        import mxc.compiler.lower.splash  # noqa: F401  (registers the kernel with attention_core)
     options = compiler_options(spec, record.platform)
     functions, files = {}, {}
     for traceable in model_functions(spec, plan, mesh, run):
@@ -349,3 +382,37 @@ def build_artifact(spec: ModelSpec, topology: Topology, devices: list, plan: Pla
         compiler_options=options, compile_seconds=round(time.perf_counter() - started, 3),
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     return manifest, files
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """What compile_artifact returns: the manifest (its `files` hashes are filled in by
+    mxc.compiler.artifact_writer.write_artifact) and every file's bytes."""
+
+    manifest: Manifest
+    files: dict[str, bytes]
+
+
+def target_devices(topology: Topology) -> list:
+    """The devices to compile for: a TPU slice as libtpu describes it, GPUs as the CUDA plugin
+    describes them, the host's CPU devices. Raises TopologyError where they cannot be had."""
+    from mxc.compiler.topology import devices
+
+    if topology.platform == "gpu":
+        from mxc.compiler.gpu_target import gpu_devices
+
+        return gpu_devices(topology)
+    return devices(topology)
+
+
+def compile_artifact(spec: ModelSpec, topology: Topology, run: RunConfig, plan: Plan | None = None, *,
+                     devices: list | None = None, stages: Stages | None = None) -> Artifact:
+    """The compiler's entry point (`mxc compile`, the tests): plan the model unless `plan` is
+    given (the planner does not compile candidates here: compiling the artifact is XLA's verdict
+    on the plan), then lower and compile every function of `run` for `topology`."""
+    from mxc.compiler.plan import plan as make_plan
+
+    devices = target_devices(topology) if devices is None else devices
+    if plan is None:
+        plan = make_plan(spec, topology, seq=run.seq, batch=run.batch, verify=False)
+    return Artifact(*build_artifact(spec, topology, devices, plan, run, stages))

@@ -251,21 +251,18 @@ def handler(args: argparse.Namespace) -> int:
 
 
 def _devices(topology) -> list:
-    from mxc.compiler.topology import TopologyError, devices
+    from mxc.compiler.aot import target_devices
+    from mxc.compiler.topology import TopologyError
 
     try:
-        if topology.platform == "gpu":
-            from mxc.compiler.gpu_target import gpu_devices
-
-            return gpu_devices(topology)
-        return devices(topology)
+        return target_devices(topology)
     except TopologyError as err:
         raise UserError(str(err)) from None
 
 
 def _compile_or_reuse(spec, topology, devices, plan, run, output, args, stages):
     from mxc.compiler import compile_cache
-    from mxc.compiler.aot import build_artifact, plan_json
+    from mxc.compiler.aot import plan_json
     from mxc.compiler.artifact_writer import ArtifactExistsError, copy_artifact, write_artifact
 
     topology_json = {**topology.to_json(), "device_kind": devices[0].device_kind, "devices": len(devices)}
@@ -275,7 +272,7 @@ def _compile_or_reuse(spec, topology, devices, plan, run, output, args, stages):
         if hit is not None:
             with stages.stage("copy from the compile cache"):
                 return copy_artifact(hit, output, force=args.force), True
-        manifest, files = _build(build_artifact, spec, topology, devices, plan, run, stages)
+        manifest, files = _build(spec, topology, devices, plan, run, stages)
         with stages.stage("write artifact"):
             manifest = write_artifact(output, manifest, files, force=args.force)
             compile_cache.store(key, manifest, files)
@@ -284,12 +281,14 @@ def _compile_or_reuse(spec, topology, devices, plan, run, output, args, stages):
     return manifest, False
 
 
-def _build(build_artifact, spec, topology, devices, plan, run, stages):
-    """build_artifact, with XLA's refusals of a plan turned into messages for the user."""
+def _build(spec, topology, devices, plan, run, stages):
+    """compile_artifact, with XLA's refusals of a plan turned into messages for the user."""
+    from mxc.compiler.aot import compile_artifact
     from mxc.compiler.lower.params import UnsupportedError
 
     try:
-        return build_artifact(spec, topology, devices, plan, run, stages)
+        artifact = compile_artifact(spec, topology, run, plan, devices=devices, stages=stages)
+        return artifact.manifest, artifact.files
     except UnsupportedError as err:
         raise UserError(f"{spec.name} cannot be compiled yet: {err}") from None
     except ValueError as err:  # shapes the plan cannot split, options the lowering refuses

@@ -2,7 +2,7 @@
 
     plan(spec, topology, seq=, batch=, pins=)  -> Plan   (search.py)
     Plan.load(path) / plan.save(path)                     (plan.py)
-    plan_mesh(plan, topology), lower_train_step(spec, plan, mesh)   (verify.py, for `mxc compile`)
+    plan_mesh(plan, topology), lower_train_step(spec, plan, mesh)   (verify.py; built by mxc.compiler.aot)
 """
 
 from mxc.compiler.plan.plan import MESH_AXES, Plan

@@ -1,7 +1,7 @@
 """XLA judges a plan: compile the train step for the real topology and read its memory analysis.
 
-The same function builds the mesh, the shardings and the abstract inputs that `mxc compile
---plan` needs, so what the planner verified is what gets compiled.
+The train step is built and lowered by mxc.compiler.aot, as `mxc compile` does, and compiled
+with the same XLA options: what the planner verifies is what compile writes.
 """
 
 from __future__ import annotations
@@ -22,36 +22,15 @@ def plan_mesh(plan: Plan, topology: Topology, found: list | None = None):
     return device_mesh(topology, MESH_AXES, plan.ici_sizes(), plan.dcn_sizes(), found)
 
 
-def abstract_batch(plan: Plan) -> dict:
-    """The train step's batch as ShapeDtypeStructs: inputs, targets and mask, [batch, seq]."""
-    import jax
-    import jax.numpy as jnp
-
-    shape = (plan.batch, plan.seq)
-    return {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32), "targets": jax.ShapeDtypeStruct(shape, jnp.int32),
-            "mask": jax.ShapeDtypeStruct(shape, jnp.float32)}
-
-
 def lower_train_step(spec: ModelSpec, plan: Plan, mesh, optimizer=None):
-    """(lowered train step, abstract train state, state shardings) for the plan on `mesh`."""
-    import jax
-
+    """(lowered train step, abstract train state, state shardings) for the plan on `mesh`: the
+    train step `mxc compile` writes (mxc.compiler.aot builds and lowers it for both)."""
+    from mxc.compiler.aot import lower_function, train_step_function
     from mxc.compiler.lower.optimizer import OptimizerConfig
-    from mxc.compiler.lower.sharding import named_sharding, use_rules
-    from mxc.compiler.lower.train import abstract_train_state, make_train_step, train_state_shardings
 
-    config = optimizer or OptimizerConfig()
-    rules = plan.rules_tuples()
-    step = make_train_step(spec, config, microbatches=plan.microbatches, remat=plan.remat,
-                           attention_impl=plan.attention, moe=plan.moe_config())
-    state_shardings = train_state_shardings(spec, config, mesh, rules)
-    abstract_state = abstract_train_state(spec, config)
-    batch = abstract_batch(plan)
-    batch_sharding = named_sharding(("batch", None), mesh, rules)
-    with use_rules(mesh, rules):
-        lowered = jax.jit(step, in_shardings=(state_shardings, {k: batch_sharding for k in batch}),
-                          out_shardings=(state_shardings, None), donate_argnums=0).lower(abstract_state, batch)
-    return lowered, abstract_state, state_shardings
+    train_step = train_step_function(spec, plan, mesh, optimizer or OptimizerConfig())
+    lowered = lower_function(train_step, mesh, plan.rules_tuples()).lowered
+    return lowered, train_step.args[0], train_step.in_shardings[0]
 
 
 def _shard_bytes(abstract, shardings) -> int:
