@@ -40,6 +40,7 @@ class _ToAst(Transformer):
         super().__init__()
         self.filename = path
         self.text = text
+        self.problems: list[Diagnostic] = []  # well-formed but meaningless text, e.g. `x 0`
 
     def _open_line(self, meta) -> int:
         """The line of a statement's `{`: the first one after its keyword outside a comment."""
@@ -93,7 +94,11 @@ class _ToAst(Transformer):
 
     def repeat(self, items):
         (tok,) = items
-        return int(str(tok).replace("_", "")), self._l(tok)
+        count = int(str(tok).replace("_", ""))
+        if count < 1:  # `x 0` would otherwise read as "once" in layers, or fail far from the count
+            self.problems.append(Diagnostic(self._l(tok), f"a repeat count must be at least 1, not {count}",
+                                            "remove the entry, or repeat it 1 or more times"))
+        return count, self._l(tok)
 
     @v_args(meta=True)
     def shard(self, meta, rules):
@@ -282,7 +287,10 @@ def parse(text: str, path: str = "<text>") -> ast.File:
         tree = _parser().parse(text)
     except lark.exceptions.UnexpectedInput as err:
         raise SpecError([_syntax_error(path, text, err)], {path: text}) from None
-    items = _ToAst(path, text).transform(tree)
+    to_ast = _ToAst(path, text)
+    items = to_ast.transform(tree)
+    if to_ast.problems:
+        raise SpecError(to_ast.problems, {path: text})
     return ast.File(path, tuple(items), tuple(_comments(text)))
 
 
