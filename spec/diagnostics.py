@@ -22,6 +22,13 @@ class Diagnostic:
     message: str
     hint: str | None = None
 
+    def to_json(self) -> dict:
+        """The fields an editor or CI needs; end_line/end_column are null where unknown."""
+        return {"file": self.loc.path, "line": self.loc.line, "column": self.loc.col,
+                "end_line": self.loc.end_line or (self.loc.line if self.loc.end_col else None),
+                "end_column": self.loc.end_col, "severity": "error", "message": self.message,
+                "hint": self.hint}
+
     def render(self, source: str | None) -> str:
         head = f"{self.loc.path}:{self.loc.line}:{self.loc.col}: error: {self.message}"
         lines = [head]

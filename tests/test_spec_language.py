@@ -34,3 +34,35 @@ def test_a_repeat_count_of_zero_is_an_error_at_the_count(body, needle):
     assert "repeat count must be at least 1" in diagnostic.message
     line, col = _at(text, needle)
     assert (diagnostic.loc.line, diagnostic.loc.col) == (line, text.split("\n")[line - 1].rindex(needle) + 1)
+
+
+def _mxc(*args: str):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    mxc = Path(sys.executable).with_name("mxc")
+    return subprocess.run([str(mxc), *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
+
+
+def test_check_json_reports_diagnostics_on_stdout(tmp_path):
+    import json
+
+    path = tmp_path / "bad.mspec"
+    path.write_text(BASE % "  vocabb = 5")
+    result = _mxc("check", "--json", str(path))
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert report["models"] == []
+    assert report["diagnostics"] == [{
+        "file": str(path), "line": 2, "column": 3, "end_line": 2, "end_column": 9,
+        "severity": "error", "message": "unknown field 'vocabb'", "hint": "did you mean 'vocab'?"}]
+
+
+def test_check_refuses_a_seq_beyond_max_seq():
+    result = _mxc("check", "llama3-tiny", "--seq", "257")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == "mxc: error: --seq 257 is longer than llama3-tiny's max_seq (256)"
+    assert _mxc("check", "llama3-tiny", "--seq", "256").returncode == 0

@@ -16,7 +16,10 @@ def register(subparsers) -> None:
                     "(llama3.1-8b), a .mspec file (all its models) or FILE.mspec:NAME.")
     parser.add_argument("refs", nargs="*", metavar="REF")
     parser.add_argument("--json", action="store_true",
-                        help="print the summary as JSON (a list when there are several models)")
+                        help="print the summary as JSON (a list when there are several models); "
+                             "if any REF fails: {\"models\": [...], \"diagnostics\": [...]}, each "
+                             "diagnostic with file, line, column, end_line, end_column, severity, "
+                             "message, hint")
     parser.add_argument("--seq", type=int, metavar="S",
                         help="sequence length for the FLOP count (default: min(max_seq, 4096))")
     parser.add_argument("--list", action="store_true", help="list the zoo's models")
@@ -44,11 +47,35 @@ def handler(args: argparse.Namespace) -> int:
             specs.extend(load_ref(ref).values())
         except (SpecError, UserError) as err:
             failures.append(err)  # every REF is checked, so one run reports every problem
-    if specs:
+    if args.seq is not None:
+        for spec in specs:
+            if args.seq > spec.max_seq:
+                failures.append(UserError(f"--seq {args.seq} is longer than {spec.name}'s max_seq "
+                                          f"({spec.max_seq})"))
+        specs = [spec for spec in specs if args.seq <= spec.max_seq]
+    if args.json and failures:
+        _print_json_failures(specs, args.seq, failures)
+    elif specs:
         _print_summaries(specs, args.seq, args.json)
     for err in failures:
         print_error(err)
     return 1 if failures else 0
+
+
+def _print_json_failures(specs: list, seq: int | None, failures: list) -> None:
+    """One JSON document on stdout even when some REF fails, so editors and CI can read it."""
+    from mxc.compiler.analysis import summarize
+
+    diagnostics = []
+    for err in failures:
+        if isinstance(err, UserError):  # no place in a file: the REF (or option) it is about
+            diagnostics.append({"file": None, "line": None, "column": None, "end_line": None,
+                                "end_column": None, "severity": "error", "message": str(err),
+                                "hint": None})
+        else:
+            diagnostics.extend(d.to_json() for d in err.diagnostics)
+    print(json.dumps({"models": [summarize(spec, seq).to_json() for spec in specs],
+                      "diagnostics": diagnostics}, indent=2))
 
 
 def _print_summaries(specs: list, seq: int | None, as_json: bool) -> None:
