@@ -79,6 +79,7 @@ def store(key: str, manifest: Manifest, files: dict[str, bytes]) -> None:
     from mxc.compiler.artifact_writer import write_artifact
 
     root = cache_root()
+    lookup(key)  # an entry that is no longer intact is removed: --force replaces only intact artifacts
     write_artifact(root / key, manifest, files, force=True)
     _evict(root)
 
@@ -88,3 +89,25 @@ def _evict(root: Path) -> None:
                      key=lambda p: p.stat().st_mtime, reverse=True)
     for stale in entries[MAX_ENTRIES:]:
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def compile_to(output: str | Path, spec, topology, devices: list, plan, run, *, force: bool = False,
+               use_cache: bool = True, stages=None) -> tuple[Manifest, bool]:
+    """Write the artifact of `spec` on `topology` for `run` to `output`: a copy of the cached one
+    where there is one, else compile_artifact's, stored in the cache too. Returns the manifest as
+    written and whether it came from the cache."""
+    from mxc.compiler.aot import Stages, compile_artifact, plan_json
+    from mxc.compiler.artifact_writer import copy_artifact, write_artifact
+
+    stages = stages or Stages()
+    topology_json = {**topology.to_json(), "device_kind": devices[0].device_kind, "devices": len(devices)}
+    key = cache_key(spec.model_dump(mode="json"), plan_json(plan), topology_json, run.to_json())
+    hit = lookup(key) if use_cache else None
+    if hit is not None:
+        with stages.stage("copy from the compile cache"):
+            return copy_artifact(hit, output, force=force), True
+    artifact = compile_artifact(spec, topology, run, plan, devices=devices, stages=stages)
+    with stages.stage("write artifact"):
+        manifest = write_artifact(output, artifact.manifest, artifact.files, force=force)
+        store(key, manifest, artifact.files)
+    return manifest, False

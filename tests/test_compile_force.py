@@ -91,3 +91,14 @@ def test_artifact_files_and_folders_follow_the_umask(tmp_path):
              for path in [destination, *destination.rglob("*")]}
     assert modes == {"out": 0o755, "out/exports": 0o755, "out/exports/train_step.bin": 0o644,
                      "out/weights.bin": 0o644, "out/manifest.json": 0o644}
+
+
+def test_the_compile_cache_replaces_an_entry_that_is_no_longer_intact(tmp_path, monkeypatch):
+    from mxc.compiler import compile_cache
+
+    monkeypatch.setenv("MXC_CACHE_DIR", str(tmp_path))
+    entry = compile_cache.cache_root() / "key"
+    _artifact(entry)
+    (entry / "manifest.json").write_text("{}")  # damaged: --force would refuse it as an artifact
+    compile_cache.store("key", _manifest(), {"weights.bin": b"new"})
+    assert (entry / "weights.bin").read_bytes() == b"new"

@@ -261,34 +261,16 @@ def _devices(topology) -> list:
 
 
 def _compile_or_reuse(spec, topology, devices, plan, run, output, args, stages):
-    from mxc.compiler import compile_cache
-    from mxc.compiler.aot import plan_json
-    from mxc.compiler.artifact_writer import ArtifactExistsError, copy_artifact, write_artifact
-
-    topology_json = {**topology.to_json(), "device_kind": devices[0].device_kind, "devices": len(devices)}
-    key = compile_cache.cache_key(spec.model_dump(mode="json"), plan_json(plan), topology_json, run.to_json())
-    hit = None if args.no_cache else compile_cache.lookup(key)
-    try:
-        if hit is not None:
-            with stages.stage("copy from the compile cache"):
-                return copy_artifact(hit, output, force=args.force), True
-        manifest, files = _build(spec, topology, devices, plan, run, stages)
-        with stages.stage("write artifact"):
-            manifest = write_artifact(output, manifest, files, force=args.force)
-            compile_cache.store(key, manifest, files)
-    except ArtifactExistsError as err:  # the destination appeared while compiling
-        raise UserError(str(err)) from None
-    return manifest, False
-
-
-def _build(spec, topology, devices, plan, run, stages):
-    """compile_artifact, with XLA's refusals of a plan turned into messages for the user."""
-    from mxc.compiler.aot import compile_artifact
+    """compile_cache.compile_to, with XLA's refusals of a plan turned into messages for the user."""
+    from mxc.compiler.artifact_writer import ArtifactExistsError
+    from mxc.compiler.compile_cache import compile_to
     from mxc.compiler.lower.params import UnsupportedError
 
     try:
-        artifact = compile_artifact(spec, topology, run, plan, devices=devices, stages=stages)
-        return artifact.manifest, artifact.files
+        return compile_to(output, spec, topology, devices, plan, run, force=args.force,
+                          use_cache=not args.no_cache, stages=stages)
+    except ArtifactExistsError as err:  # the destination appeared while compiling
+        raise UserError(str(err)) from None
     except UnsupportedError as err:
         raise UserError(f"{spec.name} cannot be compiled yet: {err}") from None
     except ValueError as err:  # shapes the plan cannot split, options the lowering refuses
