@@ -2,6 +2,7 @@
 
 import dataclasses
 import re
+from pathlib import Path
 from collections import Counter
 from importlib import resources
 
@@ -378,3 +379,25 @@ def test_generated_specs_format_faithfully(source):
     for line in formatted.split("\n"):
         assert line == line.rstrip()
         assert len(line) <= 100 or "#" in line
+
+
+def test_fmt_diff_prints_a_unified_diff_and_writes_nothing(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "m.mspec"
+    messy = "model m extends llama3-tiny {\n  vocab=1024\n}\n"
+    path.write_text(messy)
+    mxc = Path(sys.executable).with_name("mxc")
+    env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    result = subprocess.run([str(mxc), "fmt", "--diff", str(path)], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert result.stdout == (f"--- {path}\n+++ {path} (formatted)\n@@ -1,3 +1,3 @@\n"
+                             " model m extends llama3-tiny {\n-  vocab=1024\n+  vocab = 1024\n }\n")
+    assert path.read_text() == messy
+    path.write_text(format_text(messy, str(path)))
+    clean = subprocess.run([str(mxc), "fmt", "--diff", str(path)], capture_output=True, text=True,
+                           env=env, timeout=120)
+    assert (clean.returncode, clean.stdout) == (0, "")

@@ -1,10 +1,12 @@
 """`mxc fmt FILE...`: rewrite .mspec files in canonical form (or, with --check, only say which
-would change)."""
+would change; with --diff, show how)."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -19,6 +21,9 @@ def register(subparsers) -> None:
     parser.add_argument("files", nargs="+", metavar="FILE")
     parser.add_argument("--check", action="store_true",
                         help="rewrite nothing; list the files that would change and exit 1 if any")
+    parser.add_argument("--diff", action="store_true",
+                        help="rewrite nothing; print a unified diff of what would change and "
+                             "exit 1 if any")
     parser.set_defaults(func=handler)
 
 
@@ -40,12 +45,16 @@ def handler(args: argparse.Namespace) -> int:
         if canonical == text:
             continue
         changed.append(path)
-        if args.check:
+        if args.diff:
+            sys.stdout.writelines(difflib.unified_diff(
+                text.splitlines(keepends=True), canonical.splitlines(keepends=True),
+                fromfile=path, tofile=f"{path} (formatted)"))
+        elif args.check:
             print(f"would reformat {path}")
         else:
             _write_atomically(Path(path), canonical)
             print(f"reformatted {path}")
-    return 1 if failed or (args.check and changed) else 0
+    return 1 if failed or ((args.check or args.diff) and changed) else 0
 
 
 def _write_atomically(path: Path, text: str) -> None:
