@@ -22,6 +22,11 @@ def validate(spec: ModelSpec, report: Report) -> None:
                 if getattr(att, field) is not None:
                     report(at + (field,), f"mla attention has no {field}: DeepSeek's latent attention "
                                           "attends to the whole causal prefix")
+            for field in ("qk_norm", "temperature_tuning"):
+                # The absorbed form never builds per-head keys, so nothing could normalise or rescale them.
+                if getattr(att, field) is not None:
+                    report(at + (field,), f"mla attention takes no {field}: its keys exist only as "
+                                          "the shared latent")
         if att.window is not None and att.chunk is not None:
             report(at + ("chunk",), "a layer kind takes a sliding window or chunked attention, not both")
         if att.temperature_tuning is not None and att.rope is not None:
@@ -30,6 +35,10 @@ def validate(spec: ModelSpec, report: Report) -> None:
         if isinstance(ffn, MoE):
             mp = base + ("mlp",)
             r = ffn.router
+            if ffn.shared_experts > 1 and ffn.expert.bias:
+                report(mp + ("shared_experts",), f"{ffn.shared_experts} shared experts with biases: "
+                                                 "their output biases do not fuse into one layer",
+                       "use one shared expert, or experts without bias")
             if ffn.top_k > ffn.experts:
                 report(mp + ("top_k",), f"top_k ({ffn.top_k}) is larger than experts ({ffn.experts})")
             elif ffn.experts % r.groups:

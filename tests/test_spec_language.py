@@ -66,3 +66,18 @@ def test_check_refuses_a_seq_beyond_max_seq():
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip() == "mxc: error: --seq 257 is longer than llama3-tiny's max_seq (256)"
     assert _mxc("check", "llama3-tiny", "--seq", "256").returncode == 0
+
+
+@pytest.mark.parametrize("line, field, message", [
+    ("attention.qk_norm = rmsnorm(eps = 1e-6)", "qk_norm", "mla attention takes no qk_norm"),
+    ("attention.temperature_tuning = temperature_tuning(floor_scale = 8192, attn_scale = 0.1)", "temperature_tuning",
+     "mla attention takes no temperature_tuning"),
+    ("mlp.shared_experts = 2\n    mlp.expert.bias = true", "shared_experts", "2 shared experts with biases"),
+])
+def test_rules_lowering_relied_on_are_located_validation_errors(line, field, message):
+    text = f"model m extends mla-tiny {{\n  block moe {{\n    {line}\n  }}\n}}\n"
+    with pytest.raises(SpecError) as err:
+        load_text(text, "m.mspec")
+    # (temperature tuning on a rope layer is a second error there, about NoPE)
+    (diagnostic,) = [d for d in err.value.diagnostics if message in d.message]
+    assert (diagnostic.loc.line, diagnostic.loc.col) == _at(text, line.split("\n")[0])  # its statement

@@ -37,22 +37,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mxc.compiler.lower.attention_core import attend
 from mxc.compiler.lower.norms import apply_norm
-from mxc.compiler.lower.params import ParamDef, UnsupportedError, _linear, norm_defs
+from mxc.compiler.lower.params import ParamDef, _linear, norm_defs
 from mxc.compiler.lower.rope import apply_rope, rope_angles, softmax_scale_correction
 from mxc.compiler.lower.sharding import constrain
 from mxc.spec.ir import MLA
 
 
-def _check_supported(att: MLA) -> None:
-    if att.qk_norm is not None or att.temperature_tuning is not None:
-        # The absorbed form never builds per-head keys, so nothing could normalise or rescale them.
-        raise UnsupportedError("mla attention takes no qk_norm or temperature_tuning: its keys exist only "
-                               "as the shared latent")
-
-
 def mla_defs(att: MLA, d_model: int) -> dict:
     """One layer's MLA parameters (unstacked); see the module docstring for the layout."""
-    _check_supported(att)
     h, qk = att.heads, att.qk_nope_head_dim + att.qk_rope_head_dim
     defs = {}
     if att.q_lora_rank is None:
@@ -133,7 +125,6 @@ def mla_layer(att: MLA, params: dict, x: jax.Array, positions: jax.Array, *, cac
     step's latents are written at cache_index and the queries attend to every slot, visible by
     cache_positions (already updated by the caller). `absorb` picks the form (default: absorbed
     exactly when there is a cache); both give the same result up to rounding."""
-    _check_supported(att)
     absorb = cache is not None if absorb is None else absorb
     dtype = x.dtype
     q = checkpoint_name(constrain(_query(att, params, x), ("batch", "seq", "heads", "head_dim")), "query_proj")
