@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 
 from mxc.compiler.commands import UserError
@@ -54,12 +53,9 @@ def _positive(name: str, value: int | None) -> None:
 
 
 def _prepare_process(topology) -> None:
-    """Environment that must be set before jax is imported."""
+    """Environment that must be set before jax is imported (beside what the CLI's
+    topology.prepare_jax_platforms sets for every command: cpu-N's device count)."""
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    if topology.platform == "cpu" and topology.name != "local" and "jax" not in sys.modules:
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={topology.chips}".strip()
     if topology.name != "local":
         # TPU and GPU targets are described, not attached, and cpu-N runs on the host: keep jax
         # from probing for a local TPU (libtpu's start-up noise, its lock file).
