@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -57,6 +58,9 @@ class Resolver:
                 if isinstance(item, ast.Model) and item.name not in self.models:
                     self.models[item.name] = (item, f)
         self._cache: dict[str, Resolved] = {}
+        # Bare names that are no `let` in scope, with the names that were: if the type wanted
+        # is not an enum, the name was meant as a constant ("unknown name 'hdd'").
+        self.bare_names: dict[Loc, tuple[str, tuple[str, ...]]] = {}
 
     # ------------------------------------------------------------ values
 
@@ -74,6 +78,7 @@ class Resolver:
                 return None
             if value.name in scope:
                 return copy.deepcopy(scope[value.name])
+            self.bare_names[value.loc] = (value.name, tuple(scope))
             return value.name  # an enum member; pydantic decides whether it is one
         if isinstance(value, ast.ListValue):
             return [self._value(v, scope, out, path + (i,), locs) for i, v in enumerate(value.items)]
@@ -296,10 +301,13 @@ def build(resolver: Resolver, name: str, validate: Callable[[ModelSpec, Callable
     # every stage; one at a place already reported is a consequence of it and is left out.
     reported = {(d.loc.path, d.loc.line, d.loc.col) for d in out.diagnostics}
     try:
-        spec = ModelSpec.model_validate(tree)
+        # Strict: a typed language does not guess, so "512" is no integer and 1 or "false" no
+        # boolean. Through JSON, as strict Python mode would also refuse lists for tuples and
+        # JSON's strict mode still takes an integer where a float is wanted.
+        spec = ModelSpec.model_validate_json(json.dumps(tree), strict=True)
     except ValidationError as err:
         for e in _without_misspelled(err.errors()):
-            diagnostic = _pydantic_diagnostic(e, res, tree, model_loc)
+            diagnostic = _pydantic_diagnostic(e, res, tree, model_loc, resolver.bare_names)
             if (diagnostic.loc.path, diagnostic.loc.line, diagnostic.loc.col) not in reported:
                 out.diagnostics.append(diagnostic)
         raise SpecError(_dedupe(out.diagnostics), resolver.sources) from None
@@ -342,7 +350,31 @@ def _without_misspelled(errors: list[dict]) -> list[dict]:
             if not (e["type"] == "missing" and (_error_path(e)[:-1], _error_path(e)[-1]) in suggested)]
 
 
-def _pydantic_diagnostic(e: dict, res: Resolved, tree: dict, model_loc: Loc) -> Diagnostic:
+# What a strict type error wanted, in the language's words.
+_EXPECTED = {"int_type": "an integer", "int_from_float": "an integer", "float_type": "a number",
+             "bool_type": "true or false", "string_type": "a string"}
+
+
+def _written(given) -> str:
+    """A value as it was written in .mspec: true, 512, 2.5, "512"."""
+    if isinstance(given, bool):
+        return "true" if given else "false"
+    if given is None:
+        return "none"
+    return f'the string "{given}"' if isinstance(given, str) else str(given)
+
+
+def _bare_name(given: str, loc: Loc, bare_names: dict) -> tuple[str, ...] | None:
+    """The `let` names in scope if `given` was written as a bare name inside the span `loc`."""
+    last = loc.end_line or loc.line
+    for where, (name, scope) in bare_names.items():
+        if name == given and where.path == loc.path and loc.line <= where.line <= last:
+            return scope
+    return None
+
+
+def _pydantic_diagnostic(e: dict, res: Resolved, tree: dict, model_loc: Loc,
+                         bare_names: dict) -> Diagnostic:
     path = _error_path(e)
     loc = locate(res.locs, tree, path, model_loc)
     kind, ctx = e["type"], e.get("ctx", {})
@@ -374,8 +406,17 @@ def _pydantic_diagnostic(e: dict, res: Resolved, tree: dict, model_loc: Loc) -> 
         given = e.get("input")
         return Diagnostic(loc, f"'{dotted}' must be one of {expected}, not {given!r}",
                           did_you_mean(str(given), options) if isinstance(given, str) else None)
-    message = e["msg"][0].lower() + e["msg"][1:]
     given = e.get("input")
+    if kind in _EXPECTED:
+        if isinstance(given, str) and (scope := _bare_name(given, loc, bare_names)) is not None:
+            return Diagnostic(loc, f"unknown name '{given}' (for '{dotted}', which wants "
+                                   f"{_EXPECTED[kind]})",
+                              did_you_mean(given, scope)
+                              or ("booleans are written true or false" if kind == "bool_type" else None)
+                              or (f"names in scope: {', '.join(scope)}" if scope else "define it: let NAME = ..."))
+        return Diagnostic(loc, f"'{dotted}' must be {_EXPECTED[kind]}, not {_written(given)}",
+                          "booleans are written true or false" if kind == "bool_type" else None)
+    message = e["msg"][0].lower() + e["msg"][1:]
     if not isinstance(given, (dict, list)):
         message += f" (got {given!r})"
     return Diagnostic(loc, f"'{dotted}': {message}")

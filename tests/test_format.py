@@ -269,12 +269,11 @@ _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\d[\d_]*(?:\.[\d_]*)?(?:[eE][+-]?\d+)?'
 
 @st.composite
 def _number(draw, values):
-    """A number written in one of the ways the language allows."""
+    """An integer written in one of the ways the language allows (256.0 is no integer)."""
     value = draw(st.sampled_from(values))
-    style = draw(st.sampled_from(["plain", "underscored", "float"]))
-    if style == "underscored" and value >= 1000:
+    if draw(st.booleans()) and value >= 1000:
         return f"{value:_}"
-    return f"{value}.0" if style == "float" else str(value)
+    return str(value)
 
 
 @st.composite

@@ -81,3 +81,22 @@ def test_rules_lowering_relied_on_are_located_validation_errors(line, field, mes
     # (temperature tuning on a rope layer is a second error there, about NoPE)
     (diagnostic,) = [d for d in err.value.diagnostics if message in d.message]
     assert (diagnostic.loc.line, diagnostic.loc.col) == _at(text, line.split("\n")[0])  # its statement
+
+
+@pytest.mark.parametrize("body, message, hint", [
+    ('  vocab = "512"', "'vocab' must be an integer, not the string \"512\"", None),
+    ("  max_seq = 2.5", "'max_seq' must be an integer, not 2.5", None),
+    ("  embedding.tied = 1", "'embedding.tied' must be true or false, not 1", "true or false"),
+    ('  embedding.tied = "false"', "'embedding.tied' must be true or false, not the string \"false\"",
+     "true or false"),
+    ("  embedding.tied = yes", "unknown name 'yes'", "true or false"),
+    ("  let hd = 16\n  block x 2 {\n    attention.head_dim = hdd\n  }", "unknown name 'hdd'",
+     "did you mean 'hd'?"),
+])
+def test_values_are_strictly_typed(body, message, hint):
+    text, diagnostics = _error(body)
+    (diagnostic,) = diagnostics
+    assert message in diagnostic.message
+    assert hint is None or hint in diagnostic.hint
+    statement = body.split("\n")[-2 if "hdd" in body else 0].strip()
+    assert (diagnostic.loc.line, diagnostic.loc.col) == _at(text, statement)
