@@ -9,6 +9,7 @@ from pathlib import Path
 from mxc.spec import ast
 from mxc.spec.diagnostics import Diagnostic, Loc, SpecError
 from mxc.spec.ir import ModelSpec
+from mxc.spec.overrides import with_overrides
 from mxc.spec.parser import parse
 from mxc.spec.resolve import Resolver, build, did_you_mean
 from mxc.spec.validate import validate
@@ -42,18 +43,25 @@ def model_names(file: ast.File) -> list[str]:
     return [i.name for i in file.items if isinstance(i, ast.Model)]
 
 
-def load_text(text: str, path: str = "<text>", name: str | None = None) -> dict[str, ModelSpec]:
-    """Every model declared in `text` (or just `name`), resolved against the text and the zoo.
+def load_text(text: str, path: str = "<text>", name: str | None = None,
+              overrides: list[str] = ()) -> dict[str, ModelSpec]:
+    """Every model declared in `text` (or just `name`), resolved against the text and the zoo;
+    `overrides` (`d_model=2048`, see spec/overrides.py) change model `name`.
 
     All diagnostics of all models are gathered before raising, so one run reports them all."""
     file = parse(text, path)
-    own = set(model_names(file))
+    files = [file]
+    if overrides:
+        if name is None or name not in model_names(file):
+            raise ValueError("overrides apply to one model of the file, by name")
+        files = with_overrides(file, name, list(overrides))
+    own = {n for f in files for n in model_names(f)}
     # The zoo is parsed only when this file builds on a model it does not declare.
-    if any(isinstance(i, ast.Model) and i.extends and i.extends not in own for i in file.items):
+    if any(isinstance(i, ast.Model) and i.extends and i.extends not in own for f in files for i in f.items):
         zoo_files, zoo_sources = _zoo()
     else:
         zoo_files, zoo_sources = (), {}
-    resolver = Resolver([file, *zoo_files], {**zoo_sources, path: text})
+    resolver = Resolver([*files, *zoo_files], {**zoo_sources, path: text})
     names = model_names(file) if name is None else [name]
     if not names:
         raise SpecError([Diagnostic(Loc(path, 1, 1), "no model in this file",
@@ -86,7 +94,7 @@ def _single(ref: str) -> ModelSpec:
     return next(iter(models.values()))
 
 
-def load_models(ref: str) -> dict[str, ModelSpec]:
+def load_models(ref: str, overrides: list[str] = ()) -> dict[str, ModelSpec]:
     """Models named by a CLI argument: a zoo name, a file (all its models) or `file:name`."""
     path, _, name = ref.rpartition(":") if ref.endswith(".mspec") is False and ":" in ref else (ref, "", "")
     path = path or ref
@@ -96,6 +104,6 @@ def load_models(ref: str) -> dict[str, ModelSpec]:
     if ref in zoo_names():
         file = zoo_file(ref)
         files, sources = _zoo()
-        return load_text(sources[file], file, ref)
+        return load_text(sources[file], file, ref, overrides)
     hint = did_you_mean(ref, zoo_names()) or "zoo models: mxc check --list"
     raise SpecError([Diagnostic(Loc(ref, 1, 1), f"no such file or zoo model '{ref}'", hint)])

@@ -107,6 +107,14 @@ class Resolver:
             child = node.get(key)
             if not isinstance(child, dict):
                 where = ".".join(stmt.path[:depth + 1])
+                allowed = allowed_fields(base + stmt.path[:depth])
+                if allowed and key not in allowed:  # a misspelt field, not a value in the way
+                    in_block = did_you_mean(key, allowed_fields(("blocks", ANONYMOUS_BLOCK))) if not base else None
+                    out.error(stmt.loc, f"unknown field '{key}'",
+                              did_you_mean(key, allowed)
+                              or (f"{in_block} (a block's field: set it inside `block {{ }}`)" if in_block else None)
+                              or "fields: " + ", ".join(allowed))
+                    return
                 out.error(stmt.loc, f"cannot set '{'.'.join(stmt.path)}': '{where}' is not set "
                                     "to a kind with fields here",
                           f"assign '{where}' whole, e.g. {where} = kind(...)")

@@ -100,3 +100,44 @@ def test_values_are_strictly_typed(body, message, hint):
     assert hint is None or hint in diagnostic.hint
     statement = body.split("\n")[-2 if "hdd" in body else 0].strip()
     assert (diagnostic.loc.line, diagnostic.loc.col) == _at(text, statement)
+
+
+def test_set_overrides_change_fields_as_text_would():
+    from mxc.compiler.commands.refs import load_one
+
+    spec = load_one("llama3.1-8b", ["d_model=2048", "block.attention.heads=16", "d_model=1024"])
+    assert (spec.name, spec.d_model, spec.blocks["block"].attention.heads) == ("llama3.1-8b", 1024, 16)
+    mla = load_one("mla-tiny", ["blocks.moe.mlp.top_k=3", "layers=dense x 2, moe"])
+    assert mla.blocks["moe"].mlp.top_k == 3 and mla.layer_kinds == ("dense", "dense", "moe")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("block.mlpp.hidden=64", "--set block.mlpp.hidden=64: unknown field 'mlpp'; did you mean 'mlp'?"),
+    ("mlpp.hidden=64", "--set mlpp.hidden=64: unknown field 'mlpp'; did you mean 'mlp'?"),
+    ("vocab=\"512\"", "--set vocab=\"512\": 'vocab' must be an integer, not the string \"512\""),
+    ("d_model", "--set d_model: expected PATH=VALUE"),
+])
+def test_a_bad_override_is_one_error_naming_it(override, message):
+    from mxc.compiler.commands import UserError
+    from mxc.compiler.commands.refs import load_one
+
+    with pytest.raises(UserError) as err:
+        load_one("llama3-tiny", [override])
+    assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize("command", [["check"], ["show"], ["plan", "-t", "cpu-8"],
+                                     ["compile", "-t", "cpu-8"]])
+def test_commands_take_set(command):
+    result = _mxc(command[0], "llama3-tiny", *command[1:], "--set", "block.mlpp.hidden=64")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert ("mxc: error: --set block.mlpp.hidden=64: unknown field 'mlpp'; did you mean 'mlp'?"
+            in result.stderr)
+
+
+def test_show_applies_set():
+    import json
+
+    result = _mxc("show", "llama3-tiny", "--json", "--set", "d_model=128", "--set", "block.attention.heads=8")
+    tree = json.loads(result.stdout)
+    assert (tree["d_model"], tree["blocks"]["block"]["attention"]["heads"]) == (128, 8)

@@ -7,6 +7,7 @@ import argparse
 import json
 
 from mxc.compiler.commands import UserError, print_error, units
+from mxc.compiler.commands.refs import add_set_option
 
 
 def register(subparsers) -> None:
@@ -23,6 +24,7 @@ def register(subparsers) -> None:
     parser.add_argument("--seq", type=int, metavar="S",
                         help="sequence length for the FLOP count (default: min(max_seq, 4096))")
     parser.add_argument("--list", action="store_true", help="list the zoo's models")
+    add_set_option(parser)
     parser.set_defaults(func=handler)
 
 
@@ -44,7 +46,7 @@ def handler(args: argparse.Namespace) -> int:
     specs, failures = [], []
     for ref in args.refs:
         try:
-            specs.extend(load_ref(ref).values())
+            specs.extend(load_ref(ref, args.overrides).values())
         except (SpecError, UserError) as err:
             failures.append(err)  # every REF is checked, so one run reports every problem
     if args.seq is not None:

@@ -213,7 +213,7 @@ def handler(args: argparse.Namespace) -> int:
     view = ProgressView(console)
     stages = Stages(view.start, view.end)
     with stages.stage("load model"):
-        spec = load_one(args.model)
+        spec = load_one(args.model, args.overrides)
     suffix = f"x{topology.slices}" if topology.slices > 1 else ""
     output = args.output or os.path.join("build", f"{spec.name}-{topology.name}{suffix}")
     try:

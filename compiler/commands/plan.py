@@ -58,6 +58,8 @@ def add_planning_arguments(parser) -> None:
     """What `mxc plan` and `mxc compile` both take to plan a model on a topology, with the same
     defaults (resolved by planning_shapes)."""
     parser.add_argument("model", metavar="MODEL", help="a zoo name, a .mspec file or FILE.mspec:NAME")
+    from mxc.compiler.commands.refs import add_set_option
+    add_set_option(parser)  # --set PATH=VALUE, as check and show take it
     parser.add_argument("--topology", "-t", required=True, metavar="T",
                         help="v5p-1024, v5e-256, v6e-8, h100-8, h100-8x4, cpu-8, local, ... "
                              "(mxc topologies lists them)")
@@ -113,7 +115,7 @@ def handler(args: argparse.Namespace) -> int:
         topology = parse(args.topology, args.slices)
     except TopologyError as err:
         raise UserError(str(err)) from None
-    spec = load_one(args.model)
+    spec = load_one(args.model, args.overrides)
     seq, batch = planning_shapes(args, spec, topology)
     say = (lambda message: print(f"mxc plan: {message}", file=sys.stderr, flush=True))
     try:

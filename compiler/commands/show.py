@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from mxc.compiler.commands.refs import add_set_option
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -13,13 +15,14 @@ def register(subparsers) -> None:
                     "in. REF is a zoo model name, a .mspec file with one model, or FILE.mspec:NAME.")
     parser.add_argument("ref", metavar="REF")
     parser.add_argument("--json", action="store_true", help="print it as JSON (the IR's JSON form)")
+    add_set_option(parser)
     parser.set_defaults(func=handler)
 
 
 def handler(args: argparse.Namespace) -> int:
     from mxc.compiler.commands.refs import load_one
 
-    tree = load_one(args.ref).model_dump(mode="json")
+    tree = load_one(args.ref, args.overrides).model_dump(mode="json")
     print(json.dumps(tree, indent=2) if args.json else "\n".join(render(tree)))
     return 0
 
