@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from importlib import resources
 
@@ -10,6 +11,7 @@ from lark import Lark, Token, Transformer, v_args
 
 from mxc.spec import ast
 from mxc.spec.diagnostics import Diagnostic, Loc, SpecError
+from mxc.spec.resolve import did_you_mean
 
 # How a terminal reads in an error message.
 _TERMINAL_WORDS = {
@@ -239,6 +241,32 @@ def _misplaced_statement(path: str, text: str, tok: Token) -> Diagnostic | None:
                       "is still open")
 
 
+_NAME_BEFORE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)[ \t\r\n]*$")
+
+
+def _stray_name(path: str, text: str, tok: Token, expected) -> Diagnostic | None:
+    """A name that began a statement which never got its '=': the mistake is the name, not the
+    token after it. `blok x 2 {` is a misspelt `block`; `layers = local global` lacks a ','."""
+    if not set(expected) <= {"DOT", "EQUAL"}:
+        return None
+    found = _NAME_BEFORE.search(text, 0, tok.start_pos)
+    if found is None:
+        return None
+    word, start = found[1], found.start(1)
+    line_start = text.rfind("\n", 0, start) + 1
+    line, col = text.count("\n", 0, start) + 1, start - line_start + 1
+    where = Loc(path, line, col, col + len(word))
+    keyword = did_you_mean(word, _STATEMENT_WORDS)
+    if keyword and text[line_start:start].strip() == "":
+        return Diagnostic(where, f"unknown statement '{word}'", keyword)
+    if line < tok.line:  # the name ends its line, so the statement before it took it as its own end
+        statement = text[line_start:start].split()
+        hint = ("separate the layer kinds with ','" if statement[:1] == ["layers"]
+                else "a field is set as NAME = VALUE")
+        return Diagnostic(where, f"unexpected name '{word}'", hint)
+    return None
+
+
 def _token_words(tok: Token) -> str:
     word = _TERMINAL_WORDS.get(tok.type)
     if word is None or word.startswith("'"):  # punctuation and keywords: the text says it all
@@ -268,7 +296,7 @@ def _syntax_error(path: str, text: str, err: lark.exceptions.UnexpectedInput) ->
                               f"unexpected end of file; expected {_describe(err.expected)}",
                               _never_closed(text, len(text))
                               or "a '{' or '(' may be missing its closing partner")
-        misplaced = _misplaced_statement(path, text, tok)
+        misplaced = _misplaced_statement(path, text, tok) or _stray_name(path, text, tok, err.expected)
         if misplaced is not None:
             return misplaced
         return Diagnostic(Loc(path, tok.line, tok.column, tok.end_column),

@@ -141,3 +141,14 @@ def test_show_applies_set():
     result = _mxc("show", "llama3-tiny", "--json", "--set", "d_model=128", "--set", "block.attention.heads=8")
     tree = json.loads(result.stdout)
     assert (tree["d_model"], tree["blocks"]["block"]["attention"]["heads"]) == (128, 8)
+
+
+@pytest.mark.parametrize("body, needle, message, hint", [
+    ("  layers = local global\n  vocab = 5", "global", "unexpected name 'global'", "separate the layer kinds with ','"),
+    ("  blok x 2 {\n  }", "blok", "unknown statement 'blok'", "did you mean 'block'?"),
+])
+def test_syntax_errors_point_at_the_stray_name(body, needle, message, hint):
+    text, diagnostics = _error(body)
+    (diagnostic,) = diagnostics
+    assert (diagnostic.message, diagnostic.hint) == (message, hint)
+    assert (diagnostic.loc.line, diagnostic.loc.col) == _at(text, needle)
