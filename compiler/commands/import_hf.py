@@ -17,6 +17,8 @@ def register(subparsers) -> None:
                     "export-hf needs to write the checkpoint back as it was).")
     parser.add_argument("hf_dir", metavar="HF_DIR")
     parser.add_argument("-o", "--output", required=True, metavar="OUT", help="the model directory to write")
+    parser.add_argument("--force", action="store_true",
+                        help="write into a non-empty OUT: replaces its model.mspec, params/ and hf/ only")
     parser.add_argument("--name", help="model name in the .mspec (default: from the checkpoint)")
     parser.set_defaults(func=handler)
 
@@ -26,7 +28,7 @@ def handler(args: argparse.Namespace) -> int:
     from mxc.compiler.hf.convert import import_hf
 
     try:
-        spec = import_hf(args.hf_dir, args.output, name=args.name)
+        spec = import_hf(args.hf_dir, args.output, name=args.name, force=args.force)
     except (OSError, ValueError) as err:
         raise UserError(f"cannot import {args.hf_dir}: {err}") from None
     total = summarize(spec).total_params

@@ -29,6 +29,7 @@ from mxc.compiler.hf.families import config_for_checkpoint
 from mxc.compiler.hf.mapping import LayoutError, ShapeMismatch, tensor_maps
 from mxc.compiler.hf.spec_text import spec_text
 from mxc.compiler.lower.params import param_shapes
+from mxc.runtime.file_names import inside, plain_name
 from mxc.spec.ir import ModelSpec
 
 SPEC_FILE = "model.mspec"
@@ -110,12 +111,51 @@ def _cast(value: np.ndarray, dtype: str | None) -> np.ndarray:
     return np.ascontiguousarray(value.astype(_bfloat16() if dtype == "bfloat16" else np.dtype(dtype)))
 
 
-def import_hf(hf_dir: str | Path, out_dir: str | Path, name: str | None = None) -> ModelSpec:
+def _copyable(path: Path, folder: Path) -> bool:
+    """Whether `path` (a file of `folder`) may be copied: a regular file, or a symlink that
+    resolves inside `folder` or inside an HF cache's blobs/ (a cache snapshot is
+    snapshots/<rev>/file -> ../../blobs/<hash>). Any other symlink could make mxc copy a file
+    from anywhere on the machine into the model (and then into an exported checkpoint)."""
+    if not path.is_file():
+        return False
+    if not path.is_symlink():
+        return True
+    folders = [folder]
+    absolute = folder.absolute()
+    if absolute.parent.name == "snapshots":
+        folders.append(absolute.parent.parent / "blobs")
+    return inside(path, folders)
+
+
+class DestinationError(ValueError):
+    """The output folder holds files and --force was not given."""
+
+
+def _prepare_output(out_dir: Path, force: bool) -> None:
+    """Refuse a non-empty output folder unless `force`; with `force`, remove only what an import
+    writes (the .mspec, params/ and hf/), never other files of the user."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DestinationError(f"{out_dir} exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        if not force:
+            raise DestinationError(f"{out_dir} is not empty (give --force to replace an imported model's "
+                                   f"{SPEC_FILE}, {PARAMS_DIR}/ and {HF_DIR}/ in it)")
+        for name in (PARAMS_DIR, HF_DIR):
+            if (out_dir / name).is_dir() and not (out_dir / name).is_symlink():
+                shutil.rmtree(out_dir / name)
+            elif (out_dir / name).exists() or (out_dir / name).is_symlink():
+                (out_dir / name).unlink()
+        if (out_dir / SPEC_FILE).exists() or (out_dir / SPEC_FILE).is_symlink():
+            (out_dir / SPEC_FILE).unlink()
+
+
+def import_hf(hf_dir: str | Path, out_dir: str | Path, name: str | None = None, force: bool = False) -> ModelSpec:
     """Read a HF checkpoint directory and write an mxc model directory; returns the spec."""
     from mxc.runtime.params_io import save_params
     from mxc.spec.load import load_text
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    _prepare_output(out_dir, force)
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in {hf_dir}")
@@ -133,11 +173,9 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, name: str | None = None) 
     (out_dir / SPEC_FILE).write_text(text)
     save_params(out_dir / PARAMS_DIR, params)
     record = out_dir / HF_DIR
-    if record.exists():
-        shutil.rmtree(record)
     record.mkdir()
     for path in sorted(hf_dir.iterdir()):
-        if path.is_file() and not WEIGHT_FILES.match(path.name):
+        if not WEIGHT_FILES.match(path.name) and _copyable(path, hf_dir):
             shutil.copy2(path, record / path.name)
     (record / LAYOUT_FILE).write_text(json.dumps(layout.to_json(), indent=2) + "\n")
     return spec
@@ -150,6 +188,8 @@ def _recorded(model_dir: Path, spec: ModelSpec) -> tuple[dict, safetensors_io.La
         return None
     cfg = json.loads((record / "config.json").read_text())
     layout = safetensors_io.Layout.from_json(json.loads((record / LAYOUT_FILE).read_text()))
+    for shard in layout.files:
+        plain_name(shard.name, str(record / LAYOUT_FILE))
     try:
         recorded = spec_from_config(config_for_checkpoint(cfg, (n for f in layout.files for n in f.tensors)),
                                     spec.name, spec.param_dtype)
@@ -181,8 +221,9 @@ def export_hf(spec: ModelSpec, params, hf_dir: str | Path, model_dir: str | Path
         layout = safetensors_io.default_layout(tensors, max_shard_bytes)
     written = safetensors_io.write_checkpoint(hf_dir, tensors, layout)
     if recorded is not None:
-        for path in sorted((Path(model_dir) / HF_DIR).iterdir()):
-            if path.name != LAYOUT_FILE:
+        record = Path(model_dir) / HF_DIR
+        for path in sorted(record.iterdir()):
+            if path.name != LAYOUT_FILE and _copyable(path, record):
                 shutil.copy2(path, hf_dir / path.name)
     else:
         (hf_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

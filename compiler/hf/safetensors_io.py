@@ -15,6 +15,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from mxc.runtime.file_names import plain_name
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
@@ -47,9 +49,13 @@ class Layout:
 def _shard_names(directory: Path) -> tuple[list[str], dict | None]:
     index = directory / INDEX_NAME
     if index.is_file():
-        data = json.loads(index.read_text())
-        names = list(dict.fromkeys(data["weight_map"].values()))
-        return sorted(names), data.get("metadata")
+        try:
+            data = json.loads(index.read_text())
+            weight_map = data["weight_map"]
+            names = list(dict.fromkeys(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{index}: not a safetensors index ({type(err).__name__}: {err})") from None
+        return sorted(plain_name(n, str(index)) for n in names), data.get("metadata")
     names = sorted(p.name for p in directory.glob("*.safetensors"))
     if not names:
         raise FileNotFoundError(f"no *.safetensors in {directory} (mxc imports safetensors checkpoints only)")
@@ -63,9 +69,7 @@ def read_checkpoint(directory: str | Path) -> tuple[dict[str, np.ndarray], Layou
     tensors: dict[str, np.ndarray] = {}
     files = []
     for name in names:
-        with safe_open(directory / name, framework="numpy") as f:
-            shard = {key: f.get_tensor(key) for key in f.keys()}
-            metadata = f.metadata()
+        shard, metadata = _read_shard(directory / name)
         duplicated = set(shard) & set(tensors)
         if duplicated:
             raise ValueError(f"tensor {sorted(duplicated)[0]} appears in more than one shard of {directory}")
@@ -74,12 +78,32 @@ def read_checkpoint(directory: str | Path) -> tuple[dict[str, np.ndarray], Layou
     return tensors, Layout(files, index_metadata, sharded=(directory / INDEX_NAME).is_file())
 
 
+def _read_shard(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str] | None]:
+    """One safetensors file's tensors and metadata; any error reading it names the file."""
+    try:
+        with safe_open(path, framework="numpy") as f:
+            shard = {key: f.get_tensor(key) for key in f.keys()}
+            metadata = f.metadata()
+    except OSError:
+        raise
+    except Exception as err:  # the safetensors library raises its own SafetensorError (and others) on bad files
+        raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
+    for key, value in shard.items():
+        # Weights are floating point; an integer dtype means a relabelled or quantized file that
+        # a cast would silently turn into garbage.
+        if not (np.issubdtype(value.dtype, np.floating) or value.dtype.name == "bfloat16"):
+            raise ValueError(f"{path}: tensor {key} has dtype {value.dtype.name}; mxc imports floating point "
+                             f"weights only")
+    return shard, metadata
+
+
 def write_checkpoint(directory: str | Path, tensors: dict[str, np.ndarray], layout: Layout) -> list[Path]:
     """Write `tensors` into the files `layout` names (and the index when sharded)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     for shard in layout.files:
+        plain_name(shard.name, "the checkpoint layout")
         part = {name: np.ascontiguousarray(tensors[name]) for name in shard.tensors}
         save_file(part, directory / shard.name, metadata=shard.metadata)
         written.append(directory / shard.name)
