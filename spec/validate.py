@@ -54,6 +54,8 @@ def validate(spec: ModelSpec, report: Report) -> None:
     for name in spec.blocks:
         if name not in used and not (spec.mtp and spec.mtp.block == name):
             report(("blocks", name), f"block '{name}' is not used by the layer pattern")
+    if spec.mtp is not None and spec.mtp.depth >= spec.max_seq:  # no sequence could train it
+        report(("mtp", "depth"), f"mtp depth ({spec.mtp.depth}) must be less than max_seq ({spec.max_seq})")
     if spec.mtp is not None and spec.mtp.block not in spec.blocks:
         report(("mtp", "block"), f"unknown block '{spec.mtp.block}' for mtp",
                "blocks: " + ", ".join(spec.blocks))

@@ -152,3 +152,12 @@ def test_syntax_errors_point_at_the_stray_name(body, needle, message, hint):
     (diagnostic,) = diagnostics
     assert (diagnostic.message, diagnostic.hint) == (message, hint)
     assert (diagnostic.loc.line, diagnostic.loc.col) == _at(text, needle)
+
+
+def test_mtp_deeper_than_max_seq_is_a_validation_error():
+    text = "model m extends mla-tiny {\n  max_seq = 4\n  mtp = mtp(depth = 4, block = moe, loss_weight = 0.3)\n}\n"
+    with pytest.raises(SpecError) as err:
+        load_text(text, "m.mspec")
+    (diagnostic,) = err.value.diagnostics
+    assert diagnostic.message == "mtp depth (4) must be less than max_seq (4)"
+    assert (diagnostic.loc.line, diagnostic.loc.col) == _at(text, "depth")
