@@ -165,14 +165,20 @@ def test_a_model_the_lowering_cannot_build_is_a_plan_error():
       final_norm = rmsnorm(eps = 1e-5)
       block x 2 {
         attention = gqa(heads = 4, kv_heads = 4, head_dim = 64, rope = rope(theta = 10000))
-        mlp = moe(experts = 4, top_k = 2, shared_experts = 2, expert = glu(hidden = 128, act = silu, bias = true),
+        mlp = moe(experts = 4, top_k = 2, shared_experts = 1, expert = glu(hidden = 128, act = silu, bias = true),
                   router = router(score = softmax, normalize = true))
         norm = rmsnorm(eps = 1e-5)
       }
     }
     """
-    with pytest.raises(PlanError, match="cannot be planned"):
-        plan(load_text(text, "odd.mspec")["odd"], parse("v5e-8"), seq=1024, batch=16, verify=False)
+    # Two biased shared experts: validation refuses them in a spec, so the IR is edited past it
+    # (a library caller can build such a value) to reach the lowering's own refusal.
+    spec = load_text(text, "odd.mspec")["odd"]
+    block = spec.blocks["block"]
+    block = block.model_copy(update={"mlp": block.mlp.model_copy(update={"shared_experts": 2})})
+    spec = spec.model_copy(update={"blocks": {**spec.blocks, "block": block}})
+    with pytest.raises(PlanError, match="cannot be planned: the lowering cannot build it"):
+        plan(spec, parse("v5e-8"), seq=1024, batch=16, verify=False)
 
 
 def test_plan_json_round_trip(tmp_path):
