@@ -165,7 +165,9 @@ def test_check_several_refs_reports_every_failure(capsys, two_models, tmp_path):
     code, out, err = run_main(capsys, "check", "--json", "llama3-tiny", str(tmp_path / "gone.mspec"),
                               "llama3.1-8c", f"{two_models}:nope")
     assert code == 1
-    assert json.loads(out)["name"] == "llama3-tiny"  # the valid one is still summarised
+    report = json.loads(out)  # with a failure: {models, diagnostics}, so editors and CI read both
+    assert [m["name"] for m in report["models"]] == ["llama3-tiny"]  # the valid one is still summarised
+    assert len(report["diagnostics"]) == 3
     assert f"mxc: error: no such file: {tmp_path / 'gone.mspec'}" in err
     assert "no such file or zoo model 'llama3.1-8c'; did you mean 'llama3.1-8b'?" in err
     assert "has no model 'nope'" in err and "small, wider" in err
