@@ -52,8 +52,10 @@ def load_text(text: str, path: str = "<text>", name: str | None = None,
     file = parse(text, path)
     files = [file]
     if overrides:
-        if name is None or name not in model_names(file):
-            raise ValueError("overrides apply to one model of the file, by name")
+        declared = model_names(file)
+        name = declared[0] if name is None and len(declared) == 1 else name
+        if name not in declared:
+            raise ValueError("overrides apply to one model of the file: name it")
         files = with_overrides(file, name, list(overrides))
     own = {n for f in files for n in model_names(f)}
     # The zoo is parsed only when this file builds on a model it does not declare.
@@ -100,7 +102,7 @@ def load_models(ref: str, overrides: list[str] = ()) -> dict[str, ModelSpec]:
     path = path or ref
     if Path(path).is_file():
         text = Path(path).read_text()
-        return load_text(text, path, name or None)
+        return load_text(text, path, name or None, overrides)
     if ref in zoo_names():
         file = zoo_file(ref)
         files, sources = _zoo()

@@ -161,3 +161,12 @@ def test_mtp_deeper_than_max_seq_is_a_validation_error():
     (diagnostic,) = err.value.diagnostics
     assert diagnostic.message == "mtp depth (4) must be less than max_seq (4)"
     assert (diagnostic.loc.line, diagnostic.loc.col) == _at(text, "depth")
+
+
+def test_load_models_applies_overrides_to_a_file_with_one_model(tmp_path):
+    from mxc.spec.load import load_models
+
+    path = tmp_path / "m.mspec"
+    path.write_text(BASE % "  vocab = 1024")
+    (spec,) = load_models(str(path), ["vocab=2048"]).values()
+    assert (spec.name, spec.vocab) == ("m", 2048)
