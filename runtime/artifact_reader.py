@@ -9,7 +9,6 @@ crash the process, and an executable for 8 devices loads silently on 16.
 from __future__ import annotations
 
 import importlib.metadata
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from pydantic import ValidationError
 
 from mxc.runtime.artifact import (FORMAT_VERSION, MANIFEST_NAME, ArtifactError, ArtifactFormatField, Manifest,
                                   Topology, Versions, manifest_digest, sha256_hex)
+from mxc.runtime.strict_json import JsonFileError, load_json_file
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,11 @@ def read_manifest(directory: str | Path) -> Manifest:
     if not path.is_file():
         raise ArtifactError(f"{directory} is not an mxc artifact: it has no {MANIFEST_NAME}")
     try:
-        data = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ArtifactError(f"{path} is not valid JSON: {err}") from None
+        data = load_json_file(path)
+    except JsonFileError as err:
+        raise ArtifactError(str(err)) from None
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{path} is not a JSON object: expected an artifact manifest")
     try:
         found = ArtifactFormatField.model_validate(data).format_version
     except ValidationError:

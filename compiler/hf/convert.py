@@ -30,6 +30,7 @@ from mxc.compiler.hf.mapping import LayoutError, ShapeMismatch, tensor_maps
 from mxc.compiler.hf.spec_text import spec_text
 from mxc.compiler.lower.params import param_shapes
 from mxc.runtime.file_names import inside, plain_name
+from mxc.runtime.strict_json import load_json_file
 from mxc.spec.ir import ModelSpec
 
 SPEC_FILE = "model.mspec"
@@ -159,7 +160,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, name: str | None = None, 
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in {hf_dir}")
-    cfg = json.loads(config_path.read_text())
+    cfg = load_json_file(config_path)
     tensors, layout = safetensors_io.read_checkpoint(hf_dir)
     spec = spec_from_config(config_for_checkpoint(cfg, tensors), name or model_name(cfg, hf_dir),
                             _param_dtype(tensors))
@@ -186,8 +187,8 @@ def _recorded(model_dir: Path, spec: ModelSpec) -> tuple[dict, safetensors_io.La
     record = model_dir / HF_DIR
     if not (record / "config.json").is_file() or not (record / LAYOUT_FILE).is_file():
         return None
-    cfg = json.loads((record / "config.json").read_text())
-    layout = safetensors_io.Layout.from_json(json.loads((record / LAYOUT_FILE).read_text()))
+    cfg = load_json_file(record / "config.json")
+    layout = safetensors_io.Layout.from_json(load_json_file(record / LAYOUT_FILE))
     for shard in layout.files:
         plain_name(shard.name, str(record / LAYOUT_FILE))
     try:

@@ -29,7 +29,7 @@ def load_spec_and_params(ref: str, params_path: str | None = None) -> tuple[Mode
     import jax
 
     from mxc.compiler.lower.params import param_shapes
-    from mxc.runtime.params_io import load_params
+    from mxc.runtime.checkpoint import restore_params
 
     spec = load_spec(ref)
     path = Path(params_path) if params_path else default_params_path(ref)
@@ -37,4 +37,6 @@ def load_spec_and_params(ref: str, params_path: str | None = None) -> tuple[Mode
         raise FileNotFoundError(f"{ref} is a spec, not a model directory: give its parameters with --params CKPT")
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one_device), param_shapes(spec))
-    return spec, load_params(path, target)
+    # restore_params takes what generate --params takes: saved parameters, a run directory of
+    # `mxc run --ckpt-dir` (its newest step) or one step of it.
+    return spec, restore_params(path, target)

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from mxc.runtime.file_names import plain_name
+from mxc.runtime.strict_json import load_json_file
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -50,7 +51,7 @@ def _shard_names(directory: Path) -> tuple[list[str], dict | None]:
     index = directory / INDEX_NAME
     if index.is_file():
         try:
-            data = json.loads(index.read_text())
+            data = load_json_file(index)
             weight_map = data["weight_map"]
             names = list(dict.fromkeys(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError) as err:
