@@ -63,6 +63,21 @@ def add_run_parser(subparsers) -> None:
     parser.set_defaults(func=run_command)
 
 
+def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of generation, defined once: `python -m mxc.runtime generate` and `mxc generate`
+    (with a spec or an artifact) take exactly these."""
+    parser.add_argument("--prompt-tokens", required=True, metavar="PROMPT.npy",
+                        help="int ids in a .npy of shape (requests, prompt)")
+    parser.add_argument("--max-new", required=True, type=positive, metavar="N", help="new tokens per request")
+    parser.add_argument("--greedy", action="store_true", help="take the most likely token (the default)")
+    parser.add_argument("--temperature", type=float, metavar="T", help="sample at temperature T")
+    parser.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens")
+    parser.add_argument("--top-p", type=float, metavar="P", help="sample within probability mass P")
+    parser.add_argument("--seed", type=int, default=0, metavar="S", help="random seed for sampling (default 0)")
+    parser.add_argument("-o", "--output", required=True, metavar="TOKENS.npy")
+    parser.add_argument("--report", metavar="FILE.json", help="also write the timings here (an artifact only)")
+
+
 def add_generate_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "generate", help="generate tokens with a compiled artifact's prefill and decode",
@@ -72,15 +87,7 @@ def add_generate_parser(subparsers) -> None:
     parser.add_argument("artifact", metavar="ARTIFACT")
     parser.add_argument("--params", required=True, metavar="CKPT",
                         help="a --ckpt-dir of mxc run (its newest step), one step of it, or saved parameters")
-    parser.add_argument("--prompt-tokens", required=True, metavar="PROMPT.npy", help="int ids, (requests, prompt)")
-    parser.add_argument("--max-new", required=True, type=positive, metavar="N")
-    parser.add_argument("--greedy", action="store_true", help="take the most likely token (the default)")
-    parser.add_argument("--temperature", type=float, metavar="T")
-    parser.add_argument("--top-k", type=int, metavar="K")
-    parser.add_argument("--top-p", type=float, metavar="P")
-    parser.add_argument("--seed", type=int, default=0, metavar="S")
-    parser.add_argument("-o", "--output", required=True, metavar="TOKENS.npy")
-    parser.add_argument("--report", metavar="FILE.json", help="also write the timings here")
+    add_generation_arguments(parser)
     add_distributed_arguments(parser)
     parser.set_defaults(func=generate_command)
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from mxc.runtime.tokenize import byte_tokenizer, tokenize_files
 
-MXC = [sys.executable, "-m", "mxc"]
+MXC = [str(Path(sys.executable).with_name("mxc"))]
 
 
 def _mxc(*arguments: str) -> subprocess.CompletedProcess:
@@ -31,3 +31,41 @@ def test_token_files_follow_the_umask(tmp_path):
     finally:
         os.umask(previous)
     assert stat.S_IMODE((tmp_path / "t.bin").stat().st_mode) == 0o644
+
+
+def _fake_artifact(tmp_path: Path) -> Path:
+    # `mxc generate` tells an artifact by its manifest; these checks run before anything reads it.
+    artifact = tmp_path / "art"
+    artifact.mkdir()
+    (artifact / "manifest.json").write_text("{}")
+    return artifact
+
+
+def test_mxc_generate_artifact_passes_every_runtime_flag(tmp_path, monkeypatch):
+    from mxc.compiler.cli import build_parser as mxc_parser
+    from mxc.compiler.commands import generate
+    from mxc.runtime.cli import build_parser as runtime_parser
+
+    artifact = _fake_artifact(tmp_path)
+    flags = ["--params", "ckpt", "--prompt-tokens", "p.npy", "--max-new", "3", "--temperature", "0.7",
+             "--top-k", "5", "--top-p", "0.9", "--seed", "4", "-o", "out.npy", "--report", "r.json"]
+    handed = []
+    monkeypatch.setattr("mxc.compiler.commands.run.hand_over", lambda command, arguments: handed.append(arguments))
+    args = mxc_parser().parse_args(["generate", str(artifact), *flags])
+    generate.handler(args)
+    direct = vars(runtime_parser().parse_args(["generate", str(artifact), *flags]))
+    forwarded = vars(runtime_parser().parse_args(["generate", *handed[0]]))
+    assert forwarded == direct and forwarded["report"] == "r.json"
+
+
+def test_mxc_generate_help_describes_both_forms(tmp_path):
+    done = _mxc("generate", str(_fake_artifact(tmp_path)), "--help")
+    assert done.returncode == 0
+    assert "ARTIFACT" in done.stdout and "--report" in done.stdout and "--dtype" in done.stdout
+
+
+def test_dtype_with_an_artifact_is_refused(tmp_path):
+    done = _mxc("generate", str(_fake_artifact(tmp_path)), "--params", "ckpt", "--prompt-tokens", "p.npy",
+                "--max-new", "2", "-o", str(tmp_path / "o.npy"), "--dtype", "bfloat16")
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "mxc: error: --dtype does not apply to the artifact" in done.stderr
