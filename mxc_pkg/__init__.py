@@ -1,3 +1,6 @@
 """mxc: a declarative compiler from model specs to sharded XLA programs."""
 
-__version__ = "0.1.0"
+from importlib.metadata import version
+
+# One version number, pyproject.toml's, read from the installed distribution's metadata.
+__version__ = version("mxc")

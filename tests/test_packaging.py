@@ -31,6 +31,7 @@ def copy_sources(target: Path) -> None:
     folders = set(project["tool"]["setuptools"]["package-dir"].values())
     target.mkdir()
     shutil.copy(REPO / "pyproject.toml", target)
+    shutil.copy(REPO / "setup.py", target)  # it discovers the subpackages
     shutil.copy(REPO / project["project"]["readme"], target)
     # A nested package's folder (compiler/lower) lies inside its parent's and comes with it.
     for folder in sorted(f for f in folders if not any(f.startswith(o + "/") for o in folders)):
@@ -78,6 +79,47 @@ def test_wheel_contents(installed):
     assert not any(n.startswith("tests/") for n in names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "mxc = mxc.compiler.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def repository_modules() -> set[str]:
+    """Every module the wheel must ship, found by walking the mapped folders (not by setup.py's
+    discovery): each .py in a folder that has an __init__.py, under its mxc.* name."""
+    package_dir = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    modules = set()
+    for name, folder in package_dir.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            package = ".".join([name, *init.parent.relative_to(REPO / folder).parts])
+            modules.update(f"mxc/{package.removeprefix('mxc').lstrip('.').replace('.', '/')}/{py.name}"
+                           .replace("mxc//", "mxc/") for py in init.parent.glob("*.py"))
+    return modules
+
+
+def test_wheel_ships_every_module_of_every_package_folder(installed):
+    (wheel,) = (installed / "dist").glob("mxc-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = repository_modules()
+    assert "mxc/compiler/lower/sharding.py" in expected and "mxc/__init__.py" in expected
+    assert not expected - names, f"missing from the wheel: {sorted(expected - names)}"
+
+
+def test_every_module_of_the_wheel_imports_from_the_venv(installed, tmp_path):
+    (wheel,) = (installed / "dist").glob("mxc-*.whl")
+    modules = sorted(n.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+                     for n in zipfile.ZipFile(wheel).namelist()
+                     if n.endswith(".py") and not n.endswith("/__main__.py"))  # that one runs the CLI
+    probe = ("import importlib, sys\n"
+             "for name in sys.argv[1:]:\n"
+             "    module = importlib.import_module(name)\n"
+             "    assert module.__file__.startswith(sys.prefix), (name, module.__file__)\n")
+    python = installed / "venv" / "bin" / "python"
+    run(python, "-c", probe, *modules, cwd=tmp_path, env=clean_env())
+
+
+def test_one_version_number(installed, tmp_path):
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    result = run(installed / "venv" / "bin" / "mxc", "--version", cwd=tmp_path, env=clean_env())
+    assert result.stdout.strip() == f"mxc {version}"
+    assert f'"{version}"' not in (REPO / "mxc_pkg" / "__init__.py").read_text()  # read, not repeated
 
 
 def test_installed_package_imports_from_the_venv(installed, tmp_path):
