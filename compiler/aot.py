@@ -28,7 +28,7 @@ from mxc.compiler.plan import Plan
 from mxc.compiler.plan.plan import Verification, spec_hash
 from mxc.compiler.plan.verify import plan_mesh
 from mxc.compiler.topology import Topology
-from mxc.compiler.xla_options import compiler_options
+from mxc.compiler.xla_options import compiler_options, portable_source_paths
 from mxc.runtime.artifact import (FORMAT_VERSION, Cost, Estimate, Function, Leaf, Manifest, Memory,
                                   Topology as TopologyRecord)
 from mxc.runtime.artifact_reader import installed_versions
@@ -415,4 +415,5 @@ def compile_artifact(spec: ModelSpec, topology: Topology, run: RunConfig, plan: 
     devices = target_devices(topology) if devices is None else devices
     if plan is None:
         plan = make_plan(spec, topology, seq=run.seq, batch=run.batch, verify=False)
-    return Artifact(*build_artifact(spec, topology, devices, plan, run, stages))
+    with portable_source_paths():  # no build-host paths in the executables' HLO locations
+        return Artifact(*build_artifact(spec, topology, devices, plan, run, stages))

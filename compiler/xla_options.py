@@ -22,3 +22,16 @@ def compiler_options(spec: ModelSpec, platform: str) -> dict[str, bool]:
     """The options for every function of `spec` compiled for `platform` ("tpu", "gpu", "cpu")."""
     dense = not any(isinstance(block.mlp, MoE) for block in spec.blocks.values())
     return dict(_DENSE_TPU) if platform == "tpu" and dense else {}
+
+
+# Every file name in HLO locations (the traced frames: mxc's sources, jax's, the venv's) loses its
+# folders, so an artifact does not carry the build host's paths (user name, home folder, venv
+# layout), and the same model compiled from two checkouts gives the same bytes.
+_FOLDERS = r"^.*[/\\]"
+
+
+def portable_source_paths():
+    """A context in which lowering writes source file names without their folders."""
+    from jax._src import config
+
+    return config.hlo_source_file_canonicalization_regex(_FOLDERS)
