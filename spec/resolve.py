@@ -387,6 +387,9 @@ def _pydantic_diagnostic(e: dict, res: Resolved, tree: dict, model_loc: Loc,
     loc = locate(res.locs, tree, path, model_loc)
     kind, ctx = e["type"], e.get("ctx", {})
     dotted = ".".join(str(k) for k in path if not _is_tag(tree, path, k))
+    # The unnamed block is written `block x N { }` and overridden as --set block.F=V.
+    dotted = dotted.replace(f"blocks.{ANONYMOUS_BLOCK}.", "block.", 1) if path[:2] == (
+        "blocks", ANONYMOUS_BLOCK) else dotted
     if kind == "extra_forbidden":
         field_name = path[-1]
         parent_path = path[:-1]

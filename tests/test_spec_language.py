@@ -90,7 +90,8 @@ def test_rules_lowering_relied_on_are_located_validation_errors(line, field, mes
     ('  embedding.tied = "false"', "'embedding.tied' must be true or false, not the string \"false\"",
      "true or false"),
     ("  embedding.tied = yes", "unknown name 'yes'", "true or false"),
-    ("  let hd = 16\n  block x 2 {\n    attention.head_dim = hdd\n  }", "unknown name 'hdd'",
+    ("  let hd = 16\n  block x 2 {\n    attention.head_dim = hdd\n  }",
+     "unknown name 'hdd' (for 'block.attention.head_dim', which wants an integer)",
      "did you mean 'hd'?"),
 ])
 def test_values_are_strictly_typed(body, message, hint):
