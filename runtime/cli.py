@@ -219,17 +219,18 @@ def sampling_from(args):
 def generate_command(args) -> int:
     import numpy as np
 
-    _start_processes(args)  # first: nothing may import jax before it
+    from mxc.runtime.prompt_file import PromptFileError, read_prompt_array
+
+    try:  # before starting processes: a wrong file is the user's error, whatever the artifact
+        prompts = read_prompt_array(args.prompt_tokens, "--prompt-tokens")
+    except PromptFileError as err:
+        raise CommandError(str(err)) from None
+    _start_processes(args)  # nothing may import jax before it (prompt_file imports numpy only)
     sampling = sampling_from(args)
     import jax
 
     from mxc.runtime.checkpoint import restore_params
     from mxc.runtime.generate import generate, servable_from_program
-
-    try:
-        prompts = np.load(args.prompt_tokens, allow_pickle=False)
-    except (OSError, ValueError) as err:
-        raise CommandError(f"cannot read --prompt-tokens {args.prompt_tokens}: {err}") from None
     servable = servable_from_program(_load(args.artifact))
     params = restore_params(args.params, servable.abstract_params)
     tokens, report = generate(servable, params, prompts, args.max_new, sampling=sampling, seed=args.seed)

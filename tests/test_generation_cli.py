@@ -69,3 +69,37 @@ def test_dtype_with_an_artifact_is_refused(tmp_path):
                 "--max-new", "2", "-o", str(tmp_path / "o.npy"), "--dtype", "bfloat16")
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "mxc: error: --dtype does not apply to the artifact" in done.stderr
+
+
+def _runtime(*arguments: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-m", "mxc.runtime", *arguments], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_a_token_file_as_prompt_is_refused_by_name(tmp_path):
+    from mxc.compiler.commands import UserError
+    from mxc.compiler.commands.forward import read_tokens
+
+    text = tmp_path / "a.txt"
+    text.write_text("hello")
+    tokens = tmp_path / "t.bin"
+    tokenize_files([str(text)], str(tokens), tokenizer=byte_tokenizer())
+    done = _runtime("generate", str(_fake_artifact(tmp_path)), "--params", "ckpt", "--prompt-tokens", str(tokens),
+                    "--max-new", "2", "-o", str(tmp_path / "o.npy"))
+    assert done.returncode != 0 and "Traceback" not in done.stderr and "pickle" not in done.stderr
+    assert f"--prompt-tokens {tokens} is a token file of mxc tokenize" in done.stderr and ".npy" in done.stderr
+    try:  # the spec path (mxc generate MODEL, mxc forward) reads prompts through the same function
+        read_tokens(str(tokens), 512, "--prompt-tokens")
+        raise AssertionError("a token file was read as a prompt array")
+    except UserError as err:
+        assert "is a token file of mxc tokenize" in str(err)
+
+
+def test_a_pickled_npy_is_refused_naming_the_file(tmp_path):
+    pickled = tmp_path / "p.npy"
+    np.save(pickled, np.array([[1, "a"]], dtype=object), allow_pickle=True)
+    done = _runtime("generate", str(_fake_artifact(tmp_path)), "--params", "ckpt", "--prompt-tokens", str(pickled),
+                    "--max-new", "2", "-o", str(tmp_path / "o.npy"))
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert f"cannot read --prompt-tokens {pickled}" in done.stderr and ".npy array of int token ids" in done.stderr

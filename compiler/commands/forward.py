@@ -19,10 +19,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def read_tokens(path: str, vocab: int, flag: str):
     import numpy as np
 
+    from mxc.runtime.prompt_file import PromptFileError, read_prompt_array
+
     try:
-        tokens = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as err:
-        raise UserError(f"cannot read {flag} {path}: {err}") from None
+        tokens = read_prompt_array(path, flag)
+    except PromptFileError as err:
+        raise UserError(str(err)) from None
     if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
         raise UserError(f"{flag} must hold integer token ids of shape (batch, seq), "
                         f"not {tokens.dtype}{list(tokens.shape)}")
