@@ -16,7 +16,8 @@ from pydantic import ValidationError
 
 from mxc.runtime.artifact import (FORMAT_VERSION, MANIFEST_NAME, ArtifactError, ArtifactFormatField, Manifest,
                                   Topology, Versions, manifest_digest, sha256_hex)
-from mxc.runtime.strict_json import JsonFileError, load_json_file
+from mxc.runtime.signing import SIGNATURE_NAME, check_signature, trusted_keys_from_env
+from mxc.runtime.strict_json import JsonFileError, parse_json, read_bounded
 
 
 @dataclass(frozen=True)
@@ -43,16 +44,26 @@ def installed_versions() -> Versions:
                     cuda_plugin=_package_version("jax-cuda12-pjrt"), mxc=__version__)
 
 
-def read_manifest(directory: str | Path) -> Manifest:
-    """The manifest, its format version checked first and then its schema."""
-    directory = Path(directory)
+def _manifest_bytes(directory: Path) -> bytes:
     path = directory / MANIFEST_NAME
     if not directory.is_dir():
         raise ArtifactError(f"{directory} is not an artifact: no such directory")
     if not path.is_file():
         raise ArtifactError(f"{directory} is not an mxc artifact: it has no {MANIFEST_NAME}")
     try:
-        data = load_json_file(path)
+        return read_bounded(path)
+    except JsonFileError as err:
+        raise ArtifactError(str(err)) from None
+
+
+def read_manifest(directory: str | Path, raw: bytes | None = None) -> Manifest:
+    """The manifest (from `raw`, its bytes already read, if given), its format version checked
+    first and then its schema."""
+    directory = Path(directory)
+    path = directory / MANIFEST_NAME
+    raw = _manifest_bytes(directory) if raw is None else raw
+    try:
+        data = parse_json(raw, path)
     except JsonFileError as err:
         raise ArtifactError(str(err)) from None
     if not isinstance(data, dict):
@@ -86,7 +97,7 @@ def _listed_files(directory: Path) -> set[str]:
         if path.is_symlink():
             raise ArtifactError(f"{directory} holds a symbolic link, {relative}: an artifact holds plain "
                                 "files only")
-        if path.is_file() and relative != MANIFEST_NAME:
+        if path.is_file() and relative not in (MANIFEST_NAME, SIGNATURE_NAME):
             found.add(relative)
     return found
 
@@ -118,8 +129,14 @@ def verify_files(directory: str | Path, manifest: Manifest) -> dict[str, bytes]:
     return contents
 
 
-def read_verified(directory: str | Path) -> VerifiedArtifact:
-    manifest = read_manifest(directory)
+def read_verified(directory: str | Path, trusted_keys: list | None = None) -> VerifiedArtifact:
+    """The artifact with every file checked. With trusted keys (`trusted_keys`, else those named by
+    $MXC_TRUSTED_KEYS) the manifest's signature is checked first, on the very bytes then parsed."""
+    raw = _manifest_bytes(Path(directory))
+    keys = trusted_keys_from_env() if trusted_keys is None else list(trusted_keys)
+    if keys:
+        check_signature(directory, raw, keys)
+    manifest = read_manifest(directory, raw)
     return VerifiedArtifact(Path(directory), manifest, verify_files(directory, manifest))
 
 

@@ -37,22 +37,32 @@ def _depth(value: object) -> int:
     return deepest
 
 
-def load_json_file(path: str | Path, max_bytes: int = MAX_BYTES):
-    """The JSON value in `path`; a JsonFileError naming the file when it is over `max_bytes`,
-    nested deeper than MAX_DEPTH, not valid JSON or has a duplicate key."""
-    path = Path(path)
+def read_bounded(path: str | Path, max_bytes: int = MAX_BYTES) -> bytes:
+    """The bytes of `path`, refusing (naming it) a file over `max_bytes` without reading it all."""
     with open(path, "rb") as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise JsonFileError(f"{path} is larger than {max_bytes:,} bytes, more than such a file ever holds")
+    return data
+
+
+def parse_json(data: bytes, source: str | Path):
+    """The JSON value in `data` (read from `source`, which errors name): no duplicate key, at
+    most MAX_DEPTH deep."""
     try:
         value = json.loads(data, object_pairs_hook=_no_duplicates)
     except JsonFileError as err:
-        raise JsonFileError(f"{path} is not valid: {err}") from None
+        raise JsonFileError(f"{source} is not valid: {err}") from None
     except RecursionError:
-        raise JsonFileError(f"{path} nests deeper than {MAX_DEPTH} levels") from None
+        raise JsonFileError(f"{source} nests deeper than {MAX_DEPTH} levels") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise JsonFileError(f"{path} is not valid JSON: {err}") from None
+        raise JsonFileError(f"{source} is not valid JSON: {err}") from None
     if _depth(value) > MAX_DEPTH:
-        raise JsonFileError(f"{path} nests deeper than {MAX_DEPTH} levels")
+        raise JsonFileError(f"{source} nests deeper than {MAX_DEPTH} levels")
     return value
+
+
+def load_json_file(path: str | Path, max_bytes: int = MAX_BYTES):
+    """The JSON value in `path`; a JsonFileError naming the file when it is over `max_bytes`,
+    nested deeper than MAX_DEPTH, not valid JSON or has a duplicate key."""
+    return parse_json(read_bounded(path, max_bytes), path)

@@ -44,6 +44,8 @@ def register(subparsers) -> None:
     parser.add_argument("--force", action="store_true", help="replace an existing artifact")
     parser.add_argument("--no-cache", action="store_true", help="compile even if the compile cache has it")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--sign", metavar="KEY", help="sign the artifact with this ed25519 private key (PEM): "
+                        "runtimes given trusted keys load only signed artifacts (docs/security.md)")
     parser.set_defaults(func=handler, compiles=True)
 
 
@@ -229,6 +231,13 @@ def handler(args: argparse.Namespace) -> int:
         plan = choose_plan(spec, topology, seq, batch, args)
     run = run_config(args, spec, plan, seq, batch)
     manifest, cached = _compile_or_reuse(spec, topology, devices, plan, run, output, args, stages)
+    if args.sign:
+        from mxc.runtime.signing import SigningError, sign_artifact
+
+        try:
+            sign_artifact(output, args.sign)
+        except SigningError as err:
+            raise UserError(str(err)) from None
 
     from mxc.compiler import allocator
     from mxc.compiler.commands.artifact_summary import render, summary_json

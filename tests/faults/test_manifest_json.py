@@ -49,7 +49,7 @@ def test_a_deep_manifest_is_one_error_naming_it(artifact):
 
 def test_a_huge_manifest_is_refused_before_it_is_parsed(artifact, monkeypatch):
     monkeypatch.setattr(strict_json, "MAX_BYTES", 1000)
-    monkeypatch.setattr(strict_json.load_json_file, "__defaults__", (1000,))
+    monkeypatch.setattr(strict_json.read_bounded, "__defaults__", (1000,))
     (artifact / "manifest.json").write_text(" " * 5000 + "{}")
     with pytest.raises(ArtifactError, match=r"manifest.json is larger than 1,000 bytes"):
         read_manifest(artifact)
