@@ -98,6 +98,9 @@ def _place(value, leaf: Leaf, sharding: NamedSharding, names: list[str]):
     """The argument as a jax.Array with the compiled sharding (a no-op when it already is one)."""
     dtype, shape = jnp.dtype(leaf.dtype), tuple(leaf.shape)
     if isinstance(value, jax.Array):
+        if value.is_deleted():  # running on freed buffers crashes jaxlib (a segfault on multi-device CPU)
+            raise ValueError(f"argument {_display(leaf, names)} was donated to a previous call (its buffers are "
+                             "consumed); pass the state that call returned")
         if value.shape != shape or value.dtype != dtype:
             raise ValueError(f"{_display(leaf, names)}: expected {dtype}{list(shape)}, found "
                              f"{value.dtype}{list(value.shape)}")
