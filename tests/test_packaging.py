@@ -102,17 +102,23 @@ def test_wheel_ships_every_module_of_every_package_folder(installed):
     assert not expected - names, f"missing from the wheel: {sorted(expected - names)}"
 
 
+def probe(installed: Path, cwd: Path, *modules: str) -> dict:
+    """tests/wheel_probe.py run by the venv's python: where each module came from."""
+    python = installed / "venv" / "bin" / "python"
+    return json.loads(run(python, Path(__file__).with_name("wheel_probe.py"), *modules,
+                          cwd=cwd, env=clean_env()).stdout)
+
+
 def test_every_module_of_the_wheel_imports_from_the_venv(installed, tmp_path):
     (wheel,) = (installed / "dist").glob("mxc-*.whl")
     modules = sorted(n.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
                      for n in zipfile.ZipFile(wheel).namelist()
                      if n.endswith(".py") and not n.endswith("/__main__.py"))  # that one runs the CLI
-    probe = ("import importlib, sys\n"
-             "for name in sys.argv[1:]:\n"
-             "    module = importlib.import_module(name)\n"
-             "    assert module.__file__.startswith(sys.prefix), (name, module.__file__)\n")
-    python = installed / "venv" / "bin" / "python"
-    run(python, "-c", probe, *modules, cwd=tmp_path, env=clean_env())
+    found = probe(installed, tmp_path, *modules)
+    venv = (installed / "venv").resolve()
+    assert set(found["files"]) == set(modules)
+    outside = {m: f for m, f in found["files"].items() if not Path(f).resolve().is_relative_to(venv)}
+    assert not outside
 
 
 def test_one_version_number(installed, tmp_path):
@@ -124,17 +130,9 @@ def test_one_version_number(installed, tmp_path):
 
 def test_installed_package_imports_from_the_venv(installed, tmp_path):
     venv = installed / "venv"
-    probe = """
-import json, mxc, mxc.spec, mxc.compiler, mxc.runtime, mxc.compiler.cli
-from mxc.spec import load_model
-spec = load_model("llama3.1-8b")
-print(json.dumps({"spec": mxc.spec.__file__, "compiler": mxc.compiler.__file__,
-                  "runtime": mxc.runtime.__file__, "name": spec.name, "layers": spec.num_layers}))
-"""
-    result = run(venv / "bin" / "python", "-c", probe, cwd=tmp_path, env=clean_env())
-    found = json.loads(result.stdout)
-    for module in ("spec", "compiler", "runtime"):
-        path = Path(found[module]).resolve()
+    found = probe(installed, tmp_path, "mxc", "mxc.spec", "mxc.compiler", "mxc.runtime", "mxc.compiler.cli")
+    for path in found["files"].values():
+        path = Path(path).resolve()
         assert path.is_relative_to(venv.resolve()), path
         assert not path.is_relative_to(REPO)
     assert (found["name"], found["layers"]) == ("llama3.1-8b", 32)
