@@ -13,6 +13,7 @@ export is compiled here instead, with a warning that says which versions and how
 from __future__ import annotations
 
 import os
+import re
 import time
 import warnings
 from pathlib import Path
@@ -129,12 +130,43 @@ def _renumbered_devices(devices: list):
     return options
 
 
+# HLO element types by the numpy name the manifest uses.
+HLO_TYPES = {"pred": "bool", "s8": "int8", "s16": "int16", "s32": "int32", "s64": "int64", "u8": "uint8",
+             "u16": "uint16", "u32": "uint32", "u64": "uint64", "f16": "float16", "bf16": "bfloat16",
+             "f32": "float32", "f64": "float64"}
+HLO_SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
+
+
+def executable_parameters(executable) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, per-device shape) of each parameter of a loaded executable, from its entry layout."""
+    header = executable.hlo_modules()[0].to_string().split("\n", 1)[0]
+    parameters = header.split("entry_computation_layout={(", 1)[1].split(")->", 1)[0]
+    return [(HLO_TYPES.get(kind, kind), tuple(int(d) for d in dims.split(",") if d))
+            for kind, dims in HLO_SHAPE.findall(parameters)]
+
+
+def check_parameters(function: Function, executable, mesh: Mesh) -> None:
+    """The executable takes the manifest's inputs: running it on other buffers crashes jaxlib (a
+    segfault on multi-device CPU) instead of raising."""
+    found = executable_parameters(executable)
+    if len(found) != len(function.inputs):
+        raise ArtifactError(f"{function.executable} takes {len(found)} parameters, but the manifest lists "
+                            f"{len(function.inputs)} inputs of {function.name}")
+    for index, (leaf, (dtype, shape)) in enumerate(zip(function.inputs, found)):
+        expected = leaf_sharding(mesh, leaf).shard_shape(tuple(leaf.shape))
+        if dtype != leaf.dtype or shape != tuple(expected):
+            raise ArtifactError(f"{function.executable} does not match the manifest: parameter {index} "
+                                f"({_display(leaf, function.arguments)}) is {dtype}{list(shape)} per device, "
+                                f"the manifest says {leaf.dtype}{list(expected)}")
+
+
 def _native_runner(function: Function, data: bytes, mesh: Mesh, compiled_ids: list[int]) -> FlatRunner:
     from jaxlib.xla_client import DeviceList
 
     devices = list(mesh.devices.flat)
     options = None if [d.id for d in devices] == compiled_ids else _renumbered_devices(devices)
     executable = devices[0].client.deserialize_executable(data, DeviceList(tuple(devices)), options)
+    check_parameters(function, executable, mesh)
     outputs = [(tuple(leaf.shape), leaf_sharding(mesh, leaf)) for leaf in function.outputs]
 
     def run(flat: list) -> list:
@@ -227,6 +259,8 @@ def load(path: str | Path, devices: Sequence | None = None) -> Program:
             try:
                 runner = _native_runner(function, verified.contents[function.executable], mesh,
                                         topology.device_ids)
+            except ArtifactError:
+                raise
             except Exception as err:  # PJRT's refusal of an intact file: a platform it cannot load
                 raise ArtifactError(f"{function.executable} does not load on {topology.platform}: {err}") from None
         functions[name] = BoundFunction(function, mesh, runner)

@@ -42,3 +42,41 @@ def test_a_donated_state_passed_again_is_an_error_not_a_crash(artifact):
                           text=True, timeout=300)
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
     assert "argument state.step was donated to a previous call" in done.stdout
+
+
+_LOAD_AND_EVAL = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from mxc.runtime.artifact import ArtifactError
+    from mxc.runtime.program import load
+
+    try:
+        program = load(sys.argv[1])
+    except ArtifactError as err:
+        print(err)
+        sys.exit(0)
+    function = program.manifest.functions["eval_step"]
+    params = program.init(0)["params"]
+    batch = {leaf.path[1]: np.zeros(leaf.shape, leaf.dtype) for leaf in function.inputs if leaf.path[0] == 1}
+    program.eval_step(params, batch)
+    sys.exit(5)
+""")
+
+
+def test_an_executable_that_does_not_match_its_manifest_is_refused_at_load(artifact, tmp_path):
+    import json
+    import shutil
+
+    from mxc.runtime.artifact import manifest_digest
+
+    swapped = tmp_path / "swapped"
+    shutil.copytree(artifact, swapped)
+    manifest = json.loads((swapped / "manifest.json").read_text())
+    # eval_step now names prefill's executable: every file's hash still holds, the parameters do not.
+    manifest["functions"]["eval_step"]["executable"] = "prefill.executable"
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    (swapped / "manifest.json").write_text(json.dumps(manifest))
+    done = subprocess.run([PYTHON, "-c", _LOAD_AND_EVAL, str(swapped)], env=cpu_env(8), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert "prefill.executable takes 13 parameters, but the manifest lists 15 inputs of eval_step" in done.stdout
