@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
+
+from mxc.runtime.file_names import plain_name
 
 # 2: `compiler_options`, the options XLA compiled every function with.
 FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 
+# A file of the artifact: a plain name inside its folder, so no manifest can name a file elsewhere.
+FileName = Annotated[str, AfterValidator(lambda name: plain_name(name, MANIFEST_NAME))]
 PathEntry = Union[str, int]  # a mapping key or attribute name; an index into a sequence
 ShardingEntry = Union[None, str, list[str]]  # one PartitionSpec entry: replicated, one mesh axis, several
 
@@ -73,8 +77,8 @@ class Cost(_Record):
 class Function(_Record):
     name: str
     arguments: list[str]  # names of the positional arguments; a leaf's path starts with its index
-    executable: str  # relative path of the native executable
-    export: str  # relative path of the StableHLO export
+    executable: FileName  # the native executable
+    export: FileName  # the StableHLO export
     inputs: list[Leaf]
     outputs: list[Leaf]
     donation: list[NonNegativeInt]  # indices of the donated arguments
@@ -132,7 +136,7 @@ class Manifest(_Record):
     topology: Topology
     versions: Versions
     functions: dict[str, Function]
-    files: dict[str, str]  # relative path -> sha256 hex, every file but the manifest
+    files: dict[FileName, str]  # file name -> sha256 hex, every file but the manifest
     estimate: Estimate | None = None
     # XLA options beyond its defaults that every function was compiled with (mxc.compiler.xla_options);
     # a recompile from the StableHLO exports passes them again.

@@ -70,3 +70,16 @@ def test_export_hf_takes_a_run_directory(tmp_path):
     checkpoints.close()
     assert main(["export-hf", "llama3-tiny", "--params", str(run), "-o", str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("name", ["../outside.bin", "/etc/passwd", "sub/../../x", ".."])
+def test_a_manifest_naming_a_file_outside_the_artifact_is_refused(artifact, name):
+    from mxc.runtime.artifact import manifest_digest
+
+    path = artifact / "manifest.json"
+    data = json.loads(path.read_text())
+    data["files"][name] = "0" * 64
+    data["manifest_sha256"] = manifest_digest(data)  # as a tool that knows the format would
+    path.write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="not a plain file name"):
+        read_manifest(artifact)
