@@ -44,9 +44,9 @@ def installed(tmp_path_factory) -> Path:
     """A fresh venv holding only the mxc wheel; it sees the dependencies through a .pth file."""
     root = tmp_path_factory.mktemp("packaging")
     copy_sources(root / "src")
-    # No build isolation: the build uses this venv's setuptools instead of fetching one.
-    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-        "--wheel-dir", root / "dist", root / "src")
+    # The `build` frontend (a test dependency), without isolation: it uses this venv's setuptools
+    # instead of fetching one.
+    run(sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", root / "dist", root / "src")
     (wheel,) = (root / "dist").glob("mxc-*.whl")
     venv = root / "venv"
     run(sys.executable, "-m", "venv", "--without-pip", venv)
