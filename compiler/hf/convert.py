@@ -29,7 +29,7 @@ from mxc.compiler.hf.families import config_for_checkpoint
 from mxc.compiler.hf.mapping import LayoutError, ShapeMismatch, tensor_maps
 from mxc.compiler.hf.spec_text import spec_text
 from mxc.compiler.lower.params import param_shapes
-from mxc.runtime.file_names import inside, plain_name
+from mxc.runtime.file_names import inside
 from mxc.runtime.strict_json import load_json_file
 from mxc.spec.ir import ModelSpec
 
@@ -112,6 +112,12 @@ def _cast(value: np.ndarray, dtype: str | None) -> np.ndarray:
     return np.ascontiguousarray(value.astype(_bfloat16() if dtype == "bfloat16" else np.dtype(dtype)))
 
 
+def _require_object(value, path: Path) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} is not a JSON object: expected a HuggingFace config")
+    return value
+
+
 def _copyable(path: Path, folder: Path) -> bool:
     """Whether `path` (a file of `folder`) may be copied: a regular file, or a symlink that
     resolves inside `folder` or inside an HF cache's blobs/ (a cache snapshot is
@@ -160,7 +166,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, name: str | None = None, 
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in {hf_dir}")
-    cfg = load_json_file(config_path)
+    cfg = _require_object(load_json_file(config_path), config_path)
     tensors, layout = safetensors_io.read_checkpoint(hf_dir)
     spec = spec_from_config(config_for_checkpoint(cfg, tensors), name or model_name(cfg, hf_dir),
                             _param_dtype(tensors))
@@ -188,9 +194,8 @@ def _recorded(model_dir: Path, spec: ModelSpec) -> tuple[dict, safetensors_io.La
     if not (record / "config.json").is_file() or not (record / LAYOUT_FILE).is_file():
         return None
     cfg = load_json_file(record / "config.json")
-    layout = safetensors_io.Layout.from_json(load_json_file(record / LAYOUT_FILE))
-    for shard in layout.files:
-        plain_name(shard.name, str(record / LAYOUT_FILE))
+    _require_object(cfg, record / "config.json")
+    layout = safetensors_io.Layout.from_json(load_json_file(record / LAYOUT_FILE), str(record / LAYOUT_FILE))
     try:
         recorded = spec_from_config(config_for_checkpoint(cfg, (n for f in layout.files for n in f.tensors)),
                                     spec.name, spec.param_dtype)

@@ -42,9 +42,20 @@ class Layout:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict) -> "Layout":
-        return cls(files=[ShardLayout(**f) for f in data["files"]], index_metadata=data.get("index_metadata"),
-                   sharded=data.get("sharded", False))
+    def from_json(cls, data: dict, source: str = "layout.json") -> "Layout":
+        """The layout recorded in `data` (read from `source`, which errors name)."""
+        try:
+            files = [ShardLayout(**f) for f in data["files"]]
+            layout = cls(files=files, index_metadata=data.get("index_metadata"), sharded=data.get("sharded", False))
+            for shard in files:
+                if not isinstance(shard.tensors, dict) or not all(
+                        isinstance(k, str) and isinstance(v, str) for k, v in shard.tensors.items()):
+                    raise TypeError("a file's tensors must map names to dtype names")
+        except (KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{source} is not a checkpoint layout ({type(err).__name__}: {err})") from None
+        for shard in files:
+            plain_name(shard.name, source)
+        return layout
 
 
 def _shard_names(directory: Path) -> tuple[list[str], dict | None]:

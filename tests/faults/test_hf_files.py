@@ -138,3 +138,21 @@ def test_a_malformed_safetensors_file_is_one_error_naming_it(hf_dir, tmp_path, c
     assert main(["import-hf", str(hf_dir), "-o", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "mxc: error:" in err and "model.safetensors" in err and "Traceback" not in err
+
+
+def test_a_config_that_is_no_object_is_one_error_naming_it(hf_dir, tmp_path, capsys):
+    (hf_dir / "config.json").write_text("[1]")
+    assert main(["import-hf", str(hf_dir), "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "mxc: error:" in err and "config.json is not a JSON object" in err
+
+
+@pytest.mark.parametrize("layout", ['{"files": 3}', '{"files": [{"x": 1}]}', '{"nofiles": []}',
+                                    '{"files": [{"name": "a", "metadata": null, "tensors": [1]}]}'])
+def test_a_malformed_layout_is_one_error_naming_it(hf_dir, tmp_path, capsys, layout):
+    model = tmp_path / "model"
+    assert main(["import-hf", str(hf_dir), "-o", str(model)]) == 0
+    (model / "hf" / "layout.json").write_text(layout)
+    assert main(["export-hf", str(model), "-o", str(tmp_path / "exported")]) == 1
+    err = capsys.readouterr().err
+    assert "mxc: error:" in err and "layout.json is not a checkpoint layout" in err
