@@ -66,6 +66,10 @@ def open_tokens(path: str | os.PathLike, *, eod_id: int | None = None) -> TokenF
         tokens = np.load(path, mmap_mode="r")
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise TokenFileError(f"{path}: expected a 1-D integer array, found {tokens.ndim}-D {tokens.dtype}")
+        # Checked once here, so a bad id fails before training rather than when its window is drawn.
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > np.iinfo(np.int64).max):
+            raise TokenFileError(f"{path}: token ids must lie in [0, 2**63), "
+                                 f"found ids from {int(tokens.min())} to {int(tokens.max())}")
         return TokenFile(path, tokens, eod_id, None, None)
     header, offset = _read_header(path)
     dtype = DTYPES[header["dtype"]]
@@ -92,6 +96,9 @@ def _read_header(path: Path) -> tuple[dict, int]:
             header = json.loads(f.read(length).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise TokenFileError(f"{path}: unreadable header: {err}") from None
+    if not isinstance(header, dict):
+        raise TokenFileError(f"{path}: header is not a JSON object (found {type(header).__name__}); "
+                             f"use `mxc tokenize` to make a token file")
     if header.get("dtype") not in DTYPES or not isinstance(header.get("tokens"), int):
         raise TokenFileError(f"{path}: header needs dtype (one of {sorted(DTYPES)}) and a token count, "
                              f"found {header}")
