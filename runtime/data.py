@@ -59,6 +59,10 @@ class PackedSequences:
         if vocab_size is not None and tokens.vocab_size is not None and tokens.vocab_size > vocab_size:
             raise DataError(f"{tokens.path}: its tokenizer's vocabulary ({tokens.vocab_size} ids) is larger "
                             f"than the model's ({vocab_size})")
+        # One pass over the file now, so a bad id stops the run before any step or checkpoint.
+        if vocab_size is not None and len(tokens) and (largest := int(tokens.tokens.max())) >= vocab_size:
+            raise DataError(f"{tokens.path}: token id {largest} is outside the model's "
+                            f"vocabulary of {vocab_size}")
 
     def rows(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """Windows `indices` as {inputs, targets, mask} arrays [len(indices), seq]."""

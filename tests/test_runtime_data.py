@@ -164,9 +164,9 @@ def test_a_file_shorter_than_one_sequence_is_refused(tmp_path):
 def test_ids_beyond_the_model_vocabulary_are_refused(tmp_path):
     with pytest.raises(DataError, match=r"vocabulary \(1000 ids\) is larger than the model's \(50\)"):
         PackedSequences(_write(tmp_path / "t.bin", np.arange(100), vocab_size=1000), seq=8, vocab_size=50)
-    np.save(tmp_path / "t.npy", np.arange(100))  # no header: caught as the rows are read
-    with pytest.raises(DataError, match="token id 96 is outside the model's vocabulary of 50"):
-        PackedSequences(open_tokens(tmp_path / "t.npy"), seq=8, vocab_size=50).rows(np.arange(12))
+    np.save(tmp_path / "t.npy", np.arange(100))  # no header: caught when the file is first read
+    with pytest.raises(DataError, match="token id 99 is outside the model's vocabulary of 50"):
+        PackedSequences(open_tokens(tmp_path / "t.npy"), seq=8, vocab_size=50)
 
 
 # ------------------------------------------------------------------ order and position

@@ -24,3 +24,15 @@ def test_npy_ids_outside_the_int64_range_are_refused_at_open(tmp_path, tokens):
     np.save(path, tokens)
     with pytest.raises(TokenFileError, match=r"tokens\.npy: token ids must lie in"):
         open_tokens(path)
+
+
+def test_an_out_of_vocabulary_id_in_a_bin_is_refused_before_any_window_is_drawn(tmp_path):
+    from mxc.runtime.data import DataError, PackedSequences
+    from mxc.runtime.token_file import write_tokens
+    path = tmp_path / "tokens.bin"
+    write_tokens(path, [np.arange(100) % 40], vocab_size=41, eod_id=None, tokenizer=None)
+    with open(path, "r+b") as f:  # a damaged id in the last window, which an early step would not draw
+        f.seek(-3 * 2, 2)
+        f.write(np.array([45], np.uint16).tobytes())
+    with pytest.raises(DataError, match=r"tokens\.bin: token id 45 is outside the model's vocabulary of 41"):
+        PackedSequences(open_tokens(path), seq=8, vocab_size=41)
