@@ -7,6 +7,9 @@ layout), each with three items:
     optimizer  {"step": the update counter, "opt_state": the optimizer's state}
     meta       JSON: step, the data position, the seed, and the artifact it was trained with
 
+and a lock file (.mxc-run.lock), flocked by the run that writes the folder, so a second run on
+the same folder is refused rather than interleaving its saves with the first's.
+
 Saving is asynchronous: `save` returns once the arrays are copied off the devices, and the
 files are written in the background while training goes on. orbax writes a step into a
 temporary directory and renames it into place only when every file (from every process) is
@@ -19,12 +22,14 @@ onto another as it is read.
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
 import jax
 
 PARAMS, OPTIMIZER, META = "params", "optimizer", "meta"
+LOCK_FILE = ".mxc-run.lock"
 
 
 class CheckpointError(ValueError):
@@ -49,6 +54,8 @@ class Checkpoints:
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
             # Leftovers of a save that crashed are removed on start, never mistaken for a checkpoint.
             cleanup_tmp_directories=True)
+        # The first process writes for all, so it alone holds the folder's lock.
+        self._lock = _lock_folder(self.directory) if jax.process_index() == 0 else None
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
@@ -78,8 +85,26 @@ class Checkpoints:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self._manager.wait_until_finished()
+            self._manager.close()
+        finally:
+            if self._lock is not None:
+                self._lock.close()  # closing the file releases the flock
+                self._lock = None
+
+
+def _lock_folder(directory: Path):
+    """An exclusive flock on a file in `directory`, so two runs never write one checkpoint folder."""
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = open(directory / LOCK_FILE, "a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise CheckpointError(f"{directory}: another mxc run is using this checkpoint folder "
+                              f"(its lock {LOCK_FILE} is held); wait for it or use another --ckpt-dir") from None
+    return handle
 
 
 def _is_step_directory(path: Path) -> bool:

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 
-from mxc.runtime.checkpoint import CheckpointError, Checkpoints, abstract_like, find_checkpoint, restore_params
+from mxc.runtime.checkpoint import LOCK_FILE, CheckpointError, Checkpoints, abstract_like, find_checkpoint, restore_params
 
 from runtime_support import cpu_env
 
@@ -129,7 +129,8 @@ def test_a_crash_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     # The resumed run saves step 2 again; the dead save's leftovers are cleared away first.
     checkpoints.save(2, params={"w": jnp.arange(4.0) * 3}, optimizer={"step": jnp.int32(2)}, meta={"step": 2})
     checkpoints.close()
-    assert sorted(p.name for p in directory.iterdir()) == ["1", "2"]
+    # The killed run's lock was freed by the kernel; only its (empty) lock file stays.
+    assert sorted(p.name for p in directory.iterdir()) == [LOCK_FILE, "1", "2"]
     np.testing.assert_array_equal(np.asarray(restore_params(directory, {"w": jnp.zeros(4)})["w"]), np.arange(4.0) * 3)
 
 
