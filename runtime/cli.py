@@ -33,6 +33,8 @@ def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordinator")
     group.add_argument("--num-processes", type=positive, metavar="N")
     group.add_argument("--process-id", type=int, metavar="I")
+    group.add_argument("--heartbeat-timeout", type=positive, default=100, metavar="SECONDS",
+                       help="declare a process dead after this long without a heartbeat (100)")
 
 
 def add_run_parser(subparsers) -> None:
@@ -148,7 +150,7 @@ def _start_processes(args):
     except ValueError as err:
         raise CommandError(str(err)) from None
     prepare_cpu_devices(args.artifact, max(setup.num_processes, 1))
-    initialize(setup)
+    initialize(setup, heartbeat_timeout_s=args.heartbeat_timeout)
     _import_in_background("orbax.checkpoint")  # after jax.distributed is up: importing it may touch devices
     return setup
 

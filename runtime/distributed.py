@@ -50,7 +50,7 @@ def setup_from(coordinator: str | None = None, num_processes: int | None = None,
                         process_id if process_id is not None else -1)
 
 
-def initialize(setup: ProcessSetup, *, timeout_s: int = 300) -> None:
+def initialize(setup: ProcessSetup, *, timeout_s: int = 300, heartbeat_timeout_s: int = 100) -> None:
     """Joins the job described by `setup` (nothing to do for a single process). Must run before
     anything touches a jax device."""
     if not setup.distributed:
@@ -65,7 +65,7 @@ def initialize(setup: ProcessSetup, *, timeout_s: int = 300) -> None:
         num_processes=setup.num_processes if known else None,
         process_id=setup.process_id if known else None,
         coordinator_bind_address=setup.coordinator if loopback else None,
-        initialization_timeout=timeout_s)
+        initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s)
     if loopback:
         _gloo_on_loopback()
 
