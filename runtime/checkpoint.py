@@ -30,6 +30,7 @@ import jax
 
 PARAMS, OPTIMIZER, META = "params", "optimizer", "meta"
 LOCK_FILE = ".mxc-run.lock"
+COMMIT_MARKER, COMMIT_TEXT = "commit_success.txt", "Checkpoint commit was successful"
 
 
 class CheckpointError(ValueError):
@@ -70,6 +71,8 @@ class Checkpoints:
         self._manager.save(step, args=args.Composite(**{
             PARAMS: args.StandardSave(params), OPTIMIZER: args.StandardSave(optimizer),
             META: args.JsonSave(meta)}), force=True)
+        # orbax finishes one save before it starts the next, so every other step is final now.
+        self._scrub_commit_markers(skip=step)
 
     def restore(self, step: int, *, params_target, optimizer_target) -> tuple[object, object, dict]:
         """(params, optimizer, meta) of `step`, laid out as the targets say."""
@@ -83,15 +86,29 @@ class Checkpoints:
     def wait(self) -> None:
         """Blocks until every started save is complete on disk."""
         self._manager.wait_until_finished()
+        self._scrub_commit_markers()
 
     def close(self) -> None:
         try:
             self._manager.wait_until_finished()
             self._manager.close()
+            self._scrub_commit_markers()
         finally:
             if self._lock is not None:
                 self._lock.close()  # closing the file releases the flock
                 self._lock = None
+
+
+    def _scrub_commit_markers(self, skip: int | None = None) -> None:
+        """orbax's commit_success.txt names the checkpoint's absolute path; a checkpoint copied
+        elsewhere should not carry the writer's folders, so the text becomes path-free (orbax
+        only checks that the file exists)."""
+        if self._lock is None:
+            return  # process 0 rewrites for everyone
+        for marker in self.directory.glob("*/**/" + COMMIT_MARKER):
+            step = marker.relative_to(self.directory).parts[0]
+            if step.isdigit() and int(step) != skip and marker.read_text() != COMMIT_TEXT:
+                marker.write_text(COMMIT_TEXT)
 
 
 def _lock_folder(directory: Path):
