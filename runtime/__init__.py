@@ -6,13 +6,16 @@ it imports neither mxc.spec nor mxc.compiler (a production host has no compiler)
     state, metrics = program.train_step(state, batch)
 """
 
-from mxc.runtime.artifact import ArtifactError
-
 _PROGRAM_NAMES = ("load", "Program", "RecompiledWarning")
 
 
 def __getattr__(name: str):
-    # jax is imported on first use, so that reading a manifest (mxc inspect) stays quick.
+    # Imported on first use: jax, so that reading a manifest (mxc inspect) stays quick, and the
+    # manifest's pydantic schema, so that building the CLI's parser (mxc --help) imports neither.
+    if name == "ArtifactError":
+        from mxc.runtime.artifact import ArtifactError
+
+        return ArtifactError
     if name in _PROGRAM_NAMES:
         from mxc.runtime import program
 
