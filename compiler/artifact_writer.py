@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mxc.runtime.artifact import MANIFEST_NAME, ArtifactError, Manifest, sha256_hex
 from mxc.runtime.artifact_reader import read_manifest, read_verified
+from mxc.runtime.signing import SIGNATURE_NAME
 
 
 class ArtifactExistsError(FileExistsError):
@@ -47,7 +48,7 @@ def _check_replaceable_artifact(destination: Path) -> None:
         raise ArtifactExistsError(f"{destination} exists and is not an mxc artifact ({err}); {refusal}") from None
     present = {path.relative_to(destination).as_posix() for path in destination.rglob("*")
                if path.is_file() or path.is_symlink()}
-    unlisted = sorted(present - set(manifest.files) - {MANIFEST_NAME})
+    unlisted = sorted(present - set(manifest.files) - {MANIFEST_NAME, SIGNATURE_NAME})
     if unlisted:
         shown = ", ".join(unlisted[:5]) + (f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else "")
         raise ArtifactExistsError(f"{destination} is an mxc artifact but also holds files its manifest does "
@@ -121,6 +122,6 @@ def write_artifact(destination: str | Path, manifest: Manifest, files: dict[str,
 
 def copy_artifact(source: str | Path, destination: str | Path, *, force: bool = False) -> Manifest:
     """Copy a verified artifact (a compile-cache entry) to `destination`, atomically."""
-    verified = read_verified(source)
+    verified = read_verified(source, trusted_keys=())  # our own cache entry: its files are checked, not its signer
     files = {name: data for name, data in verified.contents.items()}
     return write_artifact(destination, verified.manifest, files, force=force)

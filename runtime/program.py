@@ -236,12 +236,13 @@ class Program:
                 f"{', '.join(self.functions)}>")
 
 
-def load(path: str | Path, devices: Sequence | None = None) -> Program:
-    """Verify the artifact at `path` (hashes, format, versions, devices), then bind it.
+def load(path: str | Path, devices: Sequence | None = None, trusted_keys: Sequence | None = None) -> Program:
+    """Verify the artifact at `path` (hashes, format, versions, devices), then bind it. With
+    trusted public keys (`trusted_keys`, else $MXC_TRUSTED_KEYS) it must be signed by one of them.
 
     Raises ArtifactError, saying what was expected and what was found, before any executable is
     deserialised or run."""
-    verified = read_verified(path)
+    verified = read_verified(path, trusted_keys)
     manifest = verified.manifest
     topology = manifest.topology
     devices = list(devices) if devices is not None else live_devices(topology.platform)

@@ -115,3 +115,20 @@ def test_compile_sign_writes_a_signature_the_runtime_accepts(tmp_path, keys):
                           "cpu-8", "-o", str(tmp_path / "x"), "--sign", str(public)],
                          capture_output=True, text=True, env=env, timeout=900)
     assert bad.returncode == 1 and "mxc: error:" in bad.stderr and "private key" in bad.stderr
+
+
+def test_force_replaces_a_signed_artifact(artifact, keys):
+    (private, _), _ = keys
+    sign_artifact(artifact, private)
+    write_artifact(artifact, _manifest(), {"weights.bin": b"new", "sub.bin": b"more"}, force=True)
+    assert (artifact / "weights.bin").read_bytes() == b"new"
+    assert not (artifact / SIGNATURE_NAME).exists()  # the new build is not signed by the old key
+
+
+def test_copying_a_cache_entry_asks_no_signer(artifact, keys, monkeypatch, tmp_path):
+    from mxc.compiler.artifact_writer import copy_artifact
+
+    (_, public), _ = keys
+    monkeypatch.setenv(TRUSTED_KEYS_ENV, str(public))
+    copy_artifact(artifact, tmp_path / "copy")
+    assert (tmp_path / "copy" / "weights.bin").read_bytes() == b"weights"
