@@ -5,7 +5,9 @@ layout), each with three items:
 
     params     the parameters (orbax StandardSave: tensorstore arrays, no pickle)
     optimizer  {"step": the update counter, "opt_state": the optimizer's state}
-    meta       JSON: step, the data position, the seed, and the artifact it was trained with
+    meta       JSON: step, the data position, the seed, the artifact it was trained with, and
+               a checksum of every array of params and optimizer (mxc.runtime.checksums),
+               checked when the step is restored: a corrupt array is refused, never trained on
 
 and a lock file (.mxc-run.lock), flocked by the run that writes the folder, so a second run on
 the same folder is refused rather than interleaving its saves with the first's.
@@ -28,7 +30,10 @@ from pathlib import Path
 
 import jax
 
+from mxc.runtime.checksums import checksums, mismatches
+
 PARAMS, OPTIMIZER, META = "params", "optimizer", "meta"
+CHECKSUMS = "checksums"
 LOCK_FILE = ".mxc-run.lock"
 COMMIT_MARKER, COMMIT_TEXT = "commit_success.txt", "Checkpoint commit was successful"
 
@@ -68,6 +73,7 @@ class Checkpoints:
     def save(self, step: int, *, params, optimizer, meta: dict) -> None:
         """Starts saving; returns when the arrays are on the host (they may be donated after)."""
         args = self._ocp.args
+        meta = {**meta, CHECKSUMS: {PARAMS: checksums(params), OPTIMIZER: checksums(optimizer)}}
         self._manager.save(step, args=args.Composite(**{
             PARAMS: args.StandardSave(params), OPTIMIZER: args.StandardSave(optimizer),
             META: args.JsonSave(meta)}), force=True)
@@ -75,13 +81,27 @@ class Checkpoints:
         self._scrub_commit_markers(skip=step)
 
     def restore(self, step: int, *, params_target, optimizer_target) -> tuple[object, object, dict]:
-        """(params, optimizer, meta) of `step`, laid out as the targets say."""
+        """(params, optimizer, meta) of `step`, laid out as the targets say; CheckpointError, naming
+        the step, when an item is missing or unreadable or an array differs from its checksum."""
         args = self._ocp.args
-        restored = self._manager.restore(step, args=args.Composite(**{
-            PARAMS: args.StandardRestore(abstract_like(params_target)),
-            OPTIMIZER: args.StandardRestore(abstract_like(optimizer_target)),
-            META: args.JsonRestore()}))
-        return restored[PARAMS], restored[OPTIMIZER], dict(restored[META])
+        where = self.directory / str(step)
+        try:
+            restored = self._manager.restore(step, args=args.Composite(**{
+                PARAMS: args.StandardRestore(abstract_like(params_target)),
+                OPTIMIZER: args.StandardRestore(abstract_like(optimizer_target)),
+                META: args.JsonRestore()}))
+        except Exception as err:  # orbax and TensorStore raise many kinds, with pages of detail
+            raise CheckpointError(f"{where}: step {step} cannot be read: {_first_line(err)}") from None
+        meta = dict(restored[META])
+        recorded = meta.pop(CHECKSUMS, {})
+        for item in (PARAMS, OPTIMIZER):
+            if item in recorded:
+                bad = mismatches(recorded[item], restored[item])
+                if bad:
+                    raise CheckpointError(f"{where}: step {step} is corrupt: {item} {', '.join(bad[:3])}"
+                                          f"{' and more' if len(bad) > 3 else ''} differ from the checksums "
+                                          "recorded when it was saved")
+        return restored[PARAMS], restored[OPTIMIZER], meta
 
     def wait(self) -> None:
         """Blocks until every started save is complete on disk."""
@@ -109,6 +129,11 @@ class Checkpoints:
             step = marker.relative_to(self.directory).parts[0]
             if step.isdigit() and int(step) != skip and marker.read_text() != COMMIT_TEXT:
                 marker.write_text(COMMIT_TEXT)
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
 
 
 def _lock_folder(directory: Path):
@@ -158,9 +183,14 @@ def restore_params(path: str | os.PathLike, target):
     manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(create=False))
     try:
         restored = manager.restore(step, args=ocp.args.Composite(**{
-            PARAMS: ocp.args.StandardRestore(abstract_like(target))}))
+            PARAMS: ocp.args.StandardRestore(abstract_like(target)), META: ocp.args.JsonRestore()}))
     except (ValueError, KeyError) as err:
         raise CheckpointError(f"{root / str(step)}: its parameters do not fit this model: {err}") from None
     finally:
         manager.close()
+    bad = mismatches(restored[META].get(CHECKSUMS, {}).get(PARAMS, {}), restored[PARAMS]) \
+        if CHECKSUMS in restored[META] else []
+    if bad:
+        raise CheckpointError(f"{root / str(step)}: step {step} is corrupt: params {', '.join(bad[:3])} differ "
+                              "from the checksums recorded when it was saved")
     return restored[PARAMS]

@@ -61,6 +61,9 @@ def add_run_parser(subparsers) -> None:
     parser.add_argument("--log-every", type=positive, default=10, metavar="K",
                         help="without a terminal, print a line every K steps (10)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
+    parser.add_argument("--fallback", action="store_true",
+                        help="when the newest checkpoint is corrupt or unreadable, resume from the newest intact "
+                             "one (without it the run stops and names the step)")
     add_distributed_arguments(parser)
     parser.set_defaults(func=run_command)
 
@@ -186,7 +189,7 @@ def run_command(args) -> int:
     primary = jax.process_index() == 0
     config = LoopConfig(steps=args.steps, save_every=args.save_every, eval_every=args.eval_every,
                         eval_batches=args.eval_batches, seed=args.seed, in_flight=args.in_flight,
-                        log_every=args.log_every, progress=not args.quiet)
+                        log_every=args.log_every, progress=not args.quiet, fallback=args.fallback)
     run = TrainingRun(trainable, data, Checkpoints(args.ckpt_dir, keep=args.keep), config,
                       metrics_path=args.metrics, eval_data=eval_data, init_from=args.init_from, primary=primary)
     try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ import jax
 import numpy as np
 
 from mxc.runtime.artifact import ArtifactError
-from mxc.runtime.checkpoint import Checkpoints, restore_params
+from mxc.runtime.checkpoint import CheckpointError, Checkpoints, restore_params
 from mxc.runtime.data import TrainData, eval_batches
 from mxc.runtime.metrics import MetricsLog, ProgressDisplay, model_flops_utilisation
 from mxc.runtime.token_file import TokenFile
@@ -51,6 +52,7 @@ class LoopConfig:
     in_flight: int = 2
     log_every: int = 10
     progress: bool = True
+    fallback: bool = False  # resume from the newest intact step when newer ones are corrupt
 
 
 @dataclass(frozen=True)
@@ -125,13 +127,23 @@ class TrainingRun:
                                         log_every=config.log_every)
 
     def _start(self, init_from) -> tuple[dict, int]:
-        latest = self.checkpoints.latest_step()
         abstract = self.trainable.abstract_state
-        if latest is not None:
-            params, optimizer, meta = self.checkpoints.restore(
-                latest, params_target=abstract["params"], optimizer_target=_optimizer_item(abstract))
+        steps = sorted(self.checkpoints.all_steps(), reverse=True)
+        for step in steps:
+            try:
+                params, optimizer, meta = self.checkpoints.restore(
+                    step, params_target=abstract["params"], optimizer_target=_optimizer_item(abstract))
+            except CheckpointError as err:
+                # Never from a corrupt step; from an older intact one only when the user said so.
+                if not self.config.fallback:
+                    raise CheckpointError(f"{err}; --fallback resumes from the newest intact step instead") from None
+                if self.primary:
+                    print(f"mxc run: {err}; trying the step before it (--fallback)", file=sys.stderr, flush=True)
+                continue
             self.data.restore(meta["data"])
-            return {"step": optimizer["step"], "params": params, "opt_state": optimizer["opt_state"]}, latest
+            return {"step": optimizer["step"], "params": params, "opt_state": optimizer["opt_state"]}, step
+        if steps:
+            raise CheckpointError(f"no intact checkpoint in {self.checkpoints.directory} (steps {steps} are all corrupt)")
         state = self.trainable.init(self.config.seed)
         if init_from is not None:
             state = {**state, "params": restore_params(init_from, abstract["params"])}

@@ -156,6 +156,21 @@ def test_resuming_rewrites_the_metrics_and_matches_an_uninterrupted_run(tmp_path
     assert a[2]["data"] == b[2]["data"] and a[2]["data"]["consumed"] == 20 * BATCH
 
 
+def test_a_corrupt_newest_step_stops_the_run_unless_the_user_asks_for_the_intact_one(tmp_path, tokens):
+    """Issue 22: never resume from a corrupt step; --fallback takes the newest intact one."""
+    import shutil
+
+    from mxc.runtime.checkpoint import CheckpointError
+
+    _run(_bigram_trainable(), tokens, tmp_path / "ckpt", LoopConfig(steps=12, save_every=6, progress=False))
+    shutil.rmtree(tmp_path / "ckpt" / "12" / "optimizer")  # a lost or truncated item
+    with pytest.raises(CheckpointError, match=r"step 12 cannot be read.*--fallback"):
+        _run(_bigram_trainable(), tokens, tmp_path / "ckpt", LoopConfig(steps=14, progress=False))
+    _, summary = _run(_bigram_trainable(), tokens, tmp_path / "ckpt",
+                      LoopConfig(steps=14, progress=False, fallback=True))
+    assert summary.first_step == 6
+
+
 def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tokens):
     # The update of step 7 writes NaN into the parameters; step 8's loss is the first NaN.
     trainable = _bigram_trainable(poison_at_step=7)
