@@ -278,9 +278,15 @@ def prepare_jax_platforms(topology_name: str | None = None) -> None:
     if not host_has_accelerator():
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if topology is not None and topology.platform == "cpu" and topology.chips:
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={topology.chips}".strip()
+        request_host_devices(topology.chips)
+
+
+def request_host_devices(count: int) -> None:
+    """Ask XLA for `count` virtual CPU devices (read only when jax starts), unless the user's
+    XLA_FLAGS already names a count."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
 @contextlib.contextmanager

@@ -54,15 +54,13 @@ def handler(args: argparse.Namespace) -> int:
 
 def _check_host(manifest) -> list[str]:
     """Version differences that would force a recompile; raises ArtifactError if it cannot run."""
-    import os
     import sys
+
+    from mxc.compiler.topology import _quiet_stderr, request_host_devices
 
     # Any CPU host can run a cpu-N artifact once it asks XLA for N virtual devices.
     if manifest.topology.platform == "cpu" and "jax" not in sys.modules:
-        flag = f"--xla_force_host_platform_device_count={manifest.topology.devices}"
-        if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-    from mxc.compiler.topology import _quiet_stderr
+        request_host_devices(manifest.topology.devices)
     from mxc.runtime.artifact_reader import check_devices, version_differences
     from mxc.runtime.program import live_devices
 

@@ -8,11 +8,8 @@ the runtime's (mxc.runtime.cli); this parser passes every argument through untou
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-
-from mxc.compiler.commands import UserError
 
 RUNTIME_MODULE = "mxc.runtime"
 
@@ -39,18 +36,3 @@ def register(subparsers) -> None:
 
 def is_artifact(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "manifest.json"))
-
-
-def generate_arguments(args: argparse.Namespace) -> list[str]:
-    """`mxc generate MODEL ...`'s parsed flags as the runtime's generate takes them, for MODEL an artifact
-    (its compute dtype is compiled in, so --dtype does not apply)."""
-    if args.params is None:
-        raise UserError("generating with an artifact needs --params CKPT (a checkpoint directory of mxc run)")
-    arguments = [args.model, "--params", args.params, "--prompt-tokens", args.prompt_tokens,
-                 "--max-new", str(args.max_new), "--seed", str(args.seed), "-o", args.output]
-    if args.greedy:
-        arguments.append("--greedy")
-    for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k), ("--top-p", args.top_p)):
-        if value is not None:
-            arguments += [flag, str(value)]
-    return arguments
