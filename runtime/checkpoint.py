@@ -95,12 +95,7 @@ class Checkpoints:
         meta = dict(restored[META])
         recorded = meta.pop(CHECKSUMS, {})
         for item in (PARAMS, OPTIMIZER):
-            if item in recorded:
-                bad = mismatches(recorded[item], restored[item])
-                if bad:
-                    raise CheckpointError(f"{where}: step {step} is corrupt: {item} {', '.join(bad[:3])}"
-                                          f"{' and more' if len(bad) > 3 else ''} differ from the checksums "
-                                          "recorded when it was saved")
+            _check_item(where, step, item, recorded, restored[item])
         return restored[PARAMS], restored[OPTIMIZER], meta
 
     def wait(self) -> None:
@@ -129,6 +124,18 @@ class Checkpoints:
             step = marker.relative_to(self.directory).parts[0]
             if step.isdigit() and int(step) != skip and marker.read_text() != COMMIT_TEXT:
                 marker.write_text(COMMIT_TEXT)
+
+
+def _check_item(where: Path, step: int, item: str, recorded: dict, tree) -> None:
+    """Refuse `tree` when it differs from the checksums recorded for `item` (steps saved before
+    checksums were recorded have none to compare)."""
+    if item not in recorded:
+        return
+    bad = mismatches(recorded[item], tree)
+    if bad:
+        raise CheckpointError(f"{where}: step {step} is corrupt: {item} {', '.join(bad[:3])}"
+                              f"{' and more' if len(bad) > 3 else ''} differ from the checksums "
+                              "recorded when it was saved")
 
 
 def _first_line(err: Exception) -> str:
@@ -188,9 +195,5 @@ def restore_params(path: str | os.PathLike, target):
         raise CheckpointError(f"{root / str(step)}: its parameters do not fit this model: {err}") from None
     finally:
         manager.close()
-    bad = mismatches(restored[META].get(CHECKSUMS, {}).get(PARAMS, {}), restored[PARAMS]) \
-        if CHECKSUMS in restored[META] else []
-    if bad:
-        raise CheckpointError(f"{root / str(step)}: step {step} is corrupt: params {', '.join(bad[:3])} differ "
-                              "from the checksums recorded when it was saved")
+    _check_item(root / str(step), step, PARAMS, restored[META].get(CHECKSUMS, {}), restored[PARAMS])
     return restored[PARAMS]
