@@ -1,12 +1,15 @@
-"""Generation from precompiled prefill and decode executables: batched requests, sampling, timings.
+"""The one generation driver: batched requests through a prefill and a decode step, sampling,
+timings. It runs an artifact's precompiled executables (`mxc compile --serve`) and, with the same
+code, the functions `mxc generate MODEL` jits from a spec.
 
-The executables have fixed sizes, chosen at compile time (`mxc compile --serve`): `batch` rows,
-a prefill of `prompt_len` tokens, and a KV cache of `cache_len` positions. Requests are served
-in groups of `batch` rows (the last group filled up with copies of its first row, whose outputs
-are dropped). A prompt longer than `prompt_len` is prefilled with its first `prompt_len` tokens
-and fed the rest one token at a time through the decode step, which writes the same cache the
-prefill would have; so prompts only need to be at least `prompt_len` long, and prompt plus new
-tokens must fit the cache.
+The functions have fixed sizes: `batch` rows, a prefill of `prompt_len` tokens and a KV cache of
+`cache_len` slots. Requests are served in groups of `batch` rows (the last group filled up with
+copies of its first row, whose outputs are dropped). Prompts may be shorter than `prompt_len` and
+of different lengths: a prompt array marks the end of a shorter row with PAD (-1) ids after its
+tokens. Each row is right-padded to `prompt_len`, prefilled, and goes on from its own last token
+(the prefill's lengths argument; see compiler/lower/decode.py). Every row uses prompt_len slots
+for its prompt and one per new token after the first, so prompt_len + max_new - 1 must fit the
+cache; a prompt longer than prompt_len, or an empty one, is refused.
 
 Timings follow serving benchmarks: time to first token (request start to the first new token
 on the host, prefill included) and, per user, the decode rate after that (each row of a group
@@ -25,6 +28,7 @@ import numpy as np
 from mxc.runtime.sampling import Sampling, next_tokens
 
 PREFILL_FUNCTION, DECODE_FUNCTION = "prefill", "decode"
+PAD = -1  # a prompt array's filler after the tokens of a row shorter than the array
 
 
 class GenerationError(ValueError):
@@ -33,9 +37,9 @@ class GenerationError(ValueError):
 
 @dataclass(frozen=True)
 class Servable:
-    prefill: Callable  # (params, tokens [batch, prompt_len]) -> (logits [batch, vocab], cache)
+    prefill: Callable  # (params, tokens [batch, prompt_len], lengths [batch]) -> (logits [batch, vocab], cache)
     decode: Callable  # (params, tokens [batch], cache) -> (logits, cache); consumes the cache
-    abstract_params: object  # ShapeDtypeStructs with this mesh's shardings
+    abstract_params: object  # ShapeDtypeStructs with this mesh's shardings (None: params are given as arrays)
     batch: int
     prompt_len: int
     cache_len: int
@@ -46,7 +50,7 @@ class Servable:
 class GenerationReport:
     requests: int
     groups: int
-    prompt_tokens: int  # per request
+    prompt_tokens: int  # per request, the longest
     new_tokens: int  # per request
     time_to_first_token_s: float  # mean over groups
     decode_tokens_per_second_per_user: float | None  # None when only one token was generated
@@ -71,21 +75,32 @@ def servable_from_program(program) -> Servable:
                     vocab_size=program.manifest.spec["vocab"])
 
 
-def check_requests(servable: Servable, prompts: np.ndarray, max_new: int) -> None:
+def prompt_lengths(servable: Servable, prompts: np.ndarray, max_new: int) -> np.ndarray:
+    """Each request's prompt length [requests], after checking the requests fit these functions."""
     if prompts.ndim != 2 or prompts.dtype.kind not in "iu":
         raise GenerationError(f"prompts must be integer token ids of shape (requests, prompt), "
                               f"not {prompts.dtype}{list(prompts.shape)}")
     if max_new < 1:
         raise GenerationError(f"--max-new must be at least 1, not {max_new}")
-    length = prompts.shape[1]
-    if length < servable.prompt_len:
-        raise GenerationError(f"prompts of {length} tokens are shorter than the compiled prefill "
-                              f"({servable.prompt_len} tokens); compile with a --prompt-len of at most {length}")
-    if length + max_new - 1 > servable.cache_len:
-        raise GenerationError(f"{length} prompt tokens + {max_new} new tokens need a cache of "
-                              f"{length + max_new - 1} positions; the compiled cache holds {servable.cache_len}")
-    if prompts.size and (prompts.min() < 0 or prompts.max() >= servable.vocab_size):
-        raise GenerationError(f"prompt ids must lie in [0, {servable.vocab_size})")
+    real = prompts != PAD
+    lengths = real.sum(axis=1)
+    gaps = [row for row in range(len(prompts)) if not real[row, :lengths[row]].all()]
+    if gaps:
+        raise GenerationError(f"prompt row {gaps[0]} has ids after its padding ({PAD}): pad rows at the end only")
+    empty = np.flatnonzero(lengths == 0)
+    if empty.size:
+        raise GenerationError(f"prompt row {empty[0]} is empty: every prompt needs at least one token")
+    if prompts.size and (prompts[real].min() < 0 or prompts[real].max() >= servable.vocab_size):
+        raise GenerationError(f"prompt ids must lie in [0, {servable.vocab_size}) ({PAD} pads a shorter row)")
+    longest = int(lengths.max(initial=0))
+    if longest > servable.prompt_len:
+        raise GenerationError(f"a prompt of {longest} tokens is longer than the compiled prefill "
+                              f"({servable.prompt_len} tokens); compile with a --prompt-len of at least {longest}")
+    if servable.prompt_len + max_new - 1 > servable.cache_len:
+        raise GenerationError(f"{servable.prompt_len} prompt slots + {max_new} new tokens need a cache of "
+                              f"{servable.prompt_len + max_new - 1} slots; the compiled cache holds "
+                              f"{servable.cache_len}")
+    return lengths
 
 
 def _host(tokens: jax.Array) -> np.ndarray:
@@ -96,35 +111,39 @@ def _host(tokens: jax.Array) -> np.ndarray:
 
 def generate(servable: Servable, params, prompts: np.ndarray, max_new: int, *,
              sampling: Sampling = Sampling(), seed: int = 0) -> tuple[np.ndarray, GenerationReport]:
-    """Prompts [requests, prompt] -> (prompts followed by max_new tokens each, timings)."""
-    check_requests(servable, prompts, max_new)
-    requests, length = prompts.shape
+    """Prompts [requests, width] (rows ending in PAD where shorter) -> (the prompt array followed by
+    max_new new tokens per row, [requests, width + max_new]; timings)."""
+    lengths = prompt_lengths(servable, prompts, max_new)
+    requests, width = prompts.shape
+    padded = np.zeros((requests, servable.prompt_len), np.int32)
+    for row, length in enumerate(lengths):
+        padded[row, :length] = prompts[row, :length]
     started = time.perf_counter()
     outputs, first_token_times, decode_seconds = [], [], 0.0
     groups = -(-requests // servable.batch)
     for group in range(groups):
-        rows = prompts[group * servable.batch:(group + 1) * servable.batch]
-        filled = np.concatenate([rows, np.repeat(rows[:1], servable.batch - len(rows), axis=0)])
+        first, end = group * servable.batch, min((group + 1) * servable.batch, requests)
+        fill = servable.batch - (end - first)
+        rows = np.concatenate([np.arange(first, end), np.full(fill, first)])  # request served by each row
         group_started = time.perf_counter()
-        logits, cache = servable.prefill(params, filled[:, :servable.prompt_len].astype(np.int32))
-        for position in range(servable.prompt_len, length):
-            logits, cache = servable.decode(params, filled[:, position].astype(np.int32), cache)
+        logits, cache = servable.prefill(params, padded[rows], lengths[rows].astype(np.int32))
         new = []
-        token = next_tokens(logits, seed, group, 0, sampling=sampling)
+        token = next_tokens(logits, seed, rows, 0, sampling=sampling)
         new.append(_host(token))  # waiting here bounds the steps in flight, too
         first_at = time.perf_counter()
         first_token_times.append(first_at - group_started)
         for index in range(1, max_new):
             logits, cache = servable.decode(params, token, cache)
-            token = next_tokens(logits, seed, group, index, sampling=sampling)
+            token = next_tokens(logits, seed, rows, index, sampling=sampling)
             new.append(_host(token))
         decode_seconds += time.perf_counter() - first_at
-        outputs.append(np.concatenate([filled, np.stack(new, axis=1).astype(filled.dtype)], axis=1)[:len(rows)])
+        outputs.append(np.stack(new, axis=1)[:end - first])
     seconds = time.perf_counter() - started
     report = GenerationReport(
-        requests=requests, groups=groups, prompt_tokens=length, new_tokens=max_new,
+        requests=requests, groups=groups, prompt_tokens=int(lengths.max()), new_tokens=max_new,
         time_to_first_token_s=float(np.mean(first_token_times)),
         decode_tokens_per_second_per_user=(groups * (max_new - 1) / decode_seconds
                                            if max_new > 1 and decode_seconds > 0 else None),
         total_tokens_per_second=requests * max_new / seconds, seconds=seconds)
-    return np.concatenate(outputs).astype(np.result_type(prompts.dtype, np.int32)), report
+    dtype = np.result_type(prompts.dtype, np.int32)
+    return np.concatenate([prompts.astype(dtype), np.concatenate(outputs).astype(dtype)], axis=1), report

@@ -1,8 +1,10 @@
 """Choosing the next token from logits: greedy, or sampled with temperature, top-k and top-p.
 
-Sampling runs on the devices as one small jitted function next to the compiled decode step
-(only the chosen ids come back to the host). Randomness is a function of (seed, batch group, position
-of the token in the output), so a request with a given seed always produces the same tokens.
+This is the one sampler of the project: an artifact's generation and `mxc generate MODEL` both
+draw through it. It runs on the devices as one small jitted function next to the decode step (only
+the chosen ids come back to the host). Randomness is a function of (seed, request, index of the
+token among the new ones) alone, so a request with a given seed produces the same tokens whatever
+batch it is served in, whether the program is an artifact's or jitted from the spec.
 """
 
 from __future__ import annotations
@@ -54,10 +56,13 @@ def restrict(logits: jax.Array, sampling: Sampling) -> jax.Array:
 
 
 @partial(jax.jit, static_argnames="sampling")
-def next_tokens(logits: jax.Array, seed: jax.Array, group: jax.Array, position: jax.Array, *,
+def next_tokens(logits: jax.Array, seed: jax.Array, requests: jax.Array, index: jax.Array, *,
                 sampling: Sampling) -> jax.Array:
-    """Token ids [batch] int32 for the `position`-th generated token of batch group `group`."""
+    """Token ids [batch] int32: the `index`-th new token of each row, row i serving request
+    requests[i] (an int array [batch])."""
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), group), position)
-    return jax.random.categorical(key, restrict(logits, sampling), axis=-1).astype(jnp.int32)
+    base = jax.random.fold_in(jax.random.key(seed), index)
+    keys = jax.vmap(lambda request: jax.random.fold_in(base, request))(jnp.asarray(requests, jnp.uint32))
+    restricted = restrict(logits, sampling)
+    return jax.vmap(jax.random.categorical)(keys, restricted).astype(jnp.int32)

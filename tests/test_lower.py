@@ -17,7 +17,7 @@ import pytest
 from mxc.compiler.analysis import summarize
 from mxc.compiler.lower.attention_core import EMPTY_SLOT, attend
 from mxc.compiler.lower.block import block_layer
-from mxc.compiler.lower.decode import Sampler, decode_step, filter_logits, generate, init_cache, prefill, sample
+from mxc.compiler.lower.decode import decode_step, init_cache, prefill
 from mxc.compiler.lower.model import CHECKPOINT_NAMES, embed, forward, logits_from_hidden
 from mxc.compiler.lower.params import init_params, layer_slots, param_axes, param_shapes
 from mxc.compiler.lower.rope import frequencies
@@ -312,71 +312,3 @@ def test_prefill_and_decode_equal_the_full_forward(mixed):
         _close(logits, full[:, i])
     assert int(cache["index"]) == 14
     np.testing.assert_array_equal(cache["positions"][0], np.append(np.arange(14), [EMPTY_SLOT] * 2))
-
-
-def test_greedy_generate_equals_repeated_argmax_of_the_full_forward(mixed):
-    spec, params = mixed
-    prompt = _tokens((2, 5), spec.vocab, seed=2)
-    generated = generate(spec, params, prompt, 8, sampler=Sampler(greedy=True))
-    assert generated.shape == (2, 13)
-    np.testing.assert_array_equal(generated[:, :5], prompt)
-    logits = jax.jit(lambda p: forward(spec, p, generated)[0])(params)
-    np.testing.assert_array_equal(generated[:, 5:], jnp.argmax(logits[:, 4:-1], -1))
-
-
-def test_generate_is_seeded(tiny):
-    spec, params = tiny
-    prompt = _tokens((2, 5), spec.vocab, seed=3)
-    sampler = Sampler(temperature=2.0)
-    a = generate(spec, params, prompt, 12, sampler=sampler, seed=7)
-    b = generate(spec, params, prompt, 12, sampler=sampler, seed=7)
-    c = generate(spec, params, prompt, 12, sampler=sampler, seed=8)
-    np.testing.assert_array_equal(a, b)
-    assert not np.array_equal(a, c)
-    assert generate(spec, params, prompt, 0).shape == (2, 5)
-
-
-# ------------------------------------------------------------------ sampling
-
-LOGITS = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]]))
-
-
-def _draws(sampler, n=4000):
-    keys = jax.random.split(jax.random.key(0), n)
-    return np.asarray(jax.vmap(lambda k: sample(LOGITS, k, sampler))(keys))  # [n, batch]
-
-
-def test_greedy_is_argmax_and_top_k_one_is_greedy():
-    np.testing.assert_array_equal(sample(LOGITS, jax.random.key(0), Sampler(greedy=True)), [0, 3])
-    assert (_draws(Sampler(temperature=3.0, top_k=1), 200) == [0, 3]).all()
-
-
-def test_unfiltered_sampling_follows_the_softmax_at_its_temperature():
-    draws = _draws(Sampler(temperature=0.5), 20000)
-    expected = np.asarray(jax.nn.softmax(LOGITS / 0.5, -1))
-    for row in range(2):
-        frequencies = np.bincount(draws[:, row], minlength=4) / len(draws)
-        np.testing.assert_allclose(frequencies, expected[row], atol=0.015)
-
-
-def test_top_k_keeps_the_k_most_likely():
-    draws = _draws(Sampler(top_k=2))
-    assert set(draws[:, 0]) == {0, 1} and set(draws[:, 1]) == {2, 3}
-    frequencies = np.bincount(draws[:, 0], minlength=4) / len(draws)
-    np.testing.assert_allclose(frequencies[:2], [0.5 / 0.8, 0.3 / 0.8], atol=0.03)
-
-
-def test_top_p_keeps_the_smallest_set_reaching_p():
-    # Mass before each token, most likely first: 0, 0.5, 0.8, 0.95.
-    assert set(_draws(Sampler(top_p=0.7))[:, 0]) == {0, 1}
-    assert set(_draws(Sampler(top_p=0.8))[:, 0]) == {0, 1}
-    assert set(_draws(Sampler(top_p=0.81))[:, 0]) == {0, 1, 2}
-    assert set(_draws(Sampler(top_p=0.3))[:, 1]) == {3}
-    filtered = np.asarray(filter_logits(LOGITS, Sampler(top_k=3, top_p=0.9)))
-    assert np.isinf(filtered[0, 3]) and np.isinf(filtered[1, 0]) and np.isfinite(filtered[0, :3]).all()
-
-
-@pytest.mark.parametrize("bad", [dict(temperature=0.0), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5)])
-def test_sampler_rejects_meaningless_settings(bad):
-    with pytest.raises(ValueError):
-        Sampler(**bad)

@@ -1,5 +1,6 @@
-"""Sampling against a numpy reference, and the generation driver (groups, prompts longer than the
-compiled prefill, limits) on a toy model whose next token is a known function of the cache."""
+"""The one sampler against a numpy reference and its distributions, and the generation driver
+(groups, prompts shorter than the compiled prefill, limits) on a toy model whose next token is a
+known function of the cache."""
 
 import os
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mxc.runtime.generate import GenerationError, Servable, generate
+from mxc.runtime.generate import PAD, GenerationError, Servable, generate
 from mxc.runtime.sampling import Sampling, next_tokens, restrict
 
 
@@ -47,14 +48,54 @@ def test_sampling_stays_inside_the_kept_set_and_is_seeded():
     logits = jnp.asarray(np.random.default_rng(1).normal(size=(2, 30)), jnp.float32)
     sampling = Sampling(greedy=False, top_k=3)
     allowed = np.argsort(-np.asarray(logits), axis=1)[:, :3]
-    draws = np.stack([np.asarray(next_tokens(logits, 7, 0, i, sampling=sampling)) for i in range(40)])
+    requests = np.array([0, 1])
+    draws = np.stack([np.asarray(next_tokens(logits, 7, requests, i, sampling=sampling)) for i in range(40)])
     assert all(set(draws[:, row]) <= set(allowed[row]) for row in range(2))
     assert len(set(draws[:, 0])) > 1  # it does sample
-    again = np.stack([np.asarray(next_tokens(logits, 7, 0, i, sampling=sampling)) for i in range(40)])
+    again = np.stack([np.asarray(next_tokens(logits, 7, requests, i, sampling=sampling)) for i in range(40)])
     np.testing.assert_array_equal(draws, again)
-    other_seed = np.stack([np.asarray(next_tokens(logits, 8, 0, i, sampling=sampling)) for i in range(40)])
+    other_seed = np.stack([np.asarray(next_tokens(logits, 8, requests, i, sampling=sampling)) for i in range(40)])
     assert not np.array_equal(draws, other_seed)
-    np.testing.assert_array_equal(next_tokens(logits, 0, 0, 0, sampling=Sampling()), np.argmax(logits, axis=1))
+    np.testing.assert_array_equal(next_tokens(logits, 0, requests, 0, sampling=Sampling()), np.argmax(logits, axis=1))
+
+
+def test_a_requests_draws_do_not_depend_on_its_batch():
+    """Served alone, or as row 3 of a batch of 5: the same request draws the same tokens."""
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.normal(size=(5, 30)), jnp.float32)
+    sampling = Sampling(greedy=False, temperature=1.5)
+    batched = np.stack([np.asarray(next_tokens(logits, 3, np.arange(5) + 10, i, sampling=sampling))
+                        for i in range(20)])
+    alone = np.stack([np.asarray(next_tokens(logits[3:4], 3, np.array([13]), i, sampling=sampling))
+                      for i in range(20)])
+    np.testing.assert_array_equal(batched[:, 3:4], alone)
+
+
+LOGITS = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]]))
+
+
+def _draws(sampling, n=4000):
+    """n draws [n, 2] from LOGITS: request ids 0 and 1, token index 0..n-1."""
+    return np.stack([np.asarray(next_tokens(LOGITS, 0, np.array([0, 1]), i, sampling=sampling)) for i in range(n)])
+
+
+def test_top_k_one_is_greedy():
+    assert (_draws(Sampling(greedy=False, temperature=3.0, top_k=1), 200) == [0, 3]).all()
+
+
+def test_unrestricted_sampling_follows_the_softmax_at_its_temperature():
+    draws = _draws(Sampling(greedy=False, temperature=0.5), 4000)
+    expected = np.asarray(jax.nn.softmax(LOGITS / 0.5, -1))
+    for row in range(2):
+        frequencies = np.bincount(draws[:, row], minlength=4) / len(draws)
+        np.testing.assert_allclose(frequencies, expected[row], atol=0.03)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    # Mass before each token, most likely first: 0, 0.5, 0.8, 0.95.
+    assert set(_draws(Sampling(greedy=False, top_p=0.7), 400)[:, 0]) == {0, 1}
+    assert set(_draws(Sampling(greedy=False, top_p=0.81), 400)[:, 0]) == {0, 1, 2}
+    assert set(_draws(Sampling(greedy=False, top_p=0.3), 400)[:, 1]) == {3}
 
 
 def test_bad_sampling_settings_are_refused():
@@ -67,24 +108,26 @@ def test_bad_sampling_settings_are_refused():
 VOCAB = 17
 
 
-def _toy_servable(batch=2, prompt_len=3, cache_len=12) -> Servable:
-    """The next token is (sum of every token written to the cache so far) mod VOCAB, as one-hot
-    logits: the output depends on every prompt token reaching the cache, in order."""
+def _toy_servable(batch=2, prompt_len=5, cache_len=12) -> Servable:
+    """The next token is (sum of every real token written to the cache so far) mod VOCAB, as
+    one-hot logits: the output depends on every prompt token reaching the cache, and on the
+    padding being left out."""
 
     def logits_for(total):
         return jax.nn.one_hot(total % VOCAB, VOCAB) * 10.0
 
     @jax.jit
-    def prefill(params, tokens):
-        cache = {"total": jnp.sum(tokens, axis=1), "written": jnp.int32(tokens.shape[1])}
+    def prefill(params, tokens, lengths):
+        real = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+        cache = {"total": jnp.sum(jnp.where(real, tokens, 0), axis=1)}
         return logits_for(cache["total"]), cache
 
     @jax.jit
     def decode(params, tokens, cache):
-        cache = {"total": cache["total"] + tokens, "written": cache["written"] + 1}
+        cache = {"total": cache["total"] + tokens}
         return logits_for(cache["total"]), cache
 
-    return Servable(prefill=prefill, decode=decode, abstract_params={}, batch=batch, prompt_len=prompt_len,
+    return Servable(prefill=prefill, decode=decode, abstract_params=None, batch=batch, prompt_len=prompt_len,
                     cache_len=cache_len, vocab_size=VOCAB)
 
 
@@ -92,26 +135,31 @@ def _toy_reference(prompt, new):
     tokens = list(prompt)
     for _ in range(new):
         tokens.append(sum(tokens) % VOCAB)
-    return tokens
+    return tokens[len(prompt):]
 
 
-def test_groups_and_long_prompts_follow_the_reference():
+def test_groups_and_short_prompts_follow_the_reference():
     servable = _toy_servable()
-    prompts = np.array([[1, 2, 3, 4, 5], [0, 0, 0, 0, 1], [7, 7, 7, 7, 7]], np.int32)  # 2 groups, 2 extra tokens
-    tokens, report = generate(servable, {}, prompts, 4)
-    assert tokens.shape == (3, 9)
+    rows = [[1, 2, 3, 4], [5], [7, 7, 7]]  # 2 groups, every row shorter than the prefill
+    prompts = np.full((3, 4), PAD, np.int32)
+    for i, row in enumerate(rows):
+        prompts[i, :len(row)] = row
+    tokens, report = generate(servable, None, prompts, 4)
+    assert tokens.shape == (3, 8)
+    np.testing.assert_array_equal(tokens[:, :4], prompts)
     for row in range(3):
-        assert tokens[row].tolist() == _toy_reference(prompts[row], 4)
-    assert (report.requests, report.groups, report.prompt_tokens, report.new_tokens) == (3, 2, 5, 4)
+        assert tokens[row, 4:].tolist() == _toy_reference(rows[row], 4)
+    assert (report.requests, report.groups, report.prompt_tokens, report.new_tokens) == (3, 2, 4, 4)
     assert report.time_to_first_token_s > 0 and report.decode_tokens_per_second_per_user > 0
 
 
 @pytest.mark.parametrize("prompt, new, message", [
-    (np.zeros((1, 2), np.int32), 3, "shorter than the compiled prefill"),
-    (np.zeros((1, 8), np.int32), 6, "the compiled cache holds 12"),
+    (np.zeros((1, 6), np.int32), 3, r"a prompt of 6 tokens is longer than the compiled prefill \(5 tokens\)"),
+    (np.full((1, 3), PAD, np.int32), 3, "prompt row 0 is empty"),
+    (np.zeros((1, 4), np.int32), 9, "the compiled cache holds 12"),
     (np.full((1, 4), VOCAB, np.int32), 1, r"prompt ids must lie in \[0, 17\)"),
     (np.zeros((1, 4), np.float32), 1, "integer token ids"),
 ])
 def test_requests_beyond_the_compiled_sizes_are_refused(prompt, new, message):
     with pytest.raises(GenerationError, match=message):
-        generate(_toy_servable(), {}, prompt, new)
+        generate(_toy_servable(), None, prompt, new)

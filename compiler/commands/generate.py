@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from mxc.compiler.commands import UserError
-from mxc.compiler.commands.forward import add_model_arguments, load, read_tokens
+from mxc.compiler.commands.forward import add_model_arguments, load
 
 
 def register(subparsers) -> None:
@@ -48,20 +48,18 @@ def runtime_arguments(args: argparse.Namespace) -> list[str]:
     return arguments
 
 
-def sampler_from_args(args: argparse.Namespace):
-    from mxc.compiler.lower.decode import Sampler
+def spec_servable(spec, batch: int, prompt_len: int, cache_len: int, dtype: str):
+    """The runtime's Servable over prefill and decode jitted from the spec (the functions an
+    artifact's serving build compiles), so both forms of MODEL run one driver and one sampler."""
+    import jax
 
-    sampling = [flag for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k),
-                                         ("--top-p", args.top_p)) if value is not None]
-    if args.greedy and sampling:
-        raise UserError(f"--greedy takes the argmax; it cannot be combined with {', '.join(sampling)}")
-    if not sampling:
-        return Sampler(greedy=True)
-    try:
-        return Sampler(temperature=1.0 if args.temperature is None else args.temperature,
-                       top_k=args.top_k, top_p=args.top_p)
-    except ValueError as err:
-        raise UserError(str(err)) from None
+    from mxc.compiler.lower.decode import serving_steps
+    from mxc.runtime.generate import Servable
+
+    run_prefill, run_decode = serving_steps(spec, batch, cache_len, dtype=dtype)
+    return Servable(prefill=jax.jit(run_prefill), decode=jax.jit(run_decode, donate_argnums=2),
+                    abstract_params=None, batch=batch, prompt_len=prompt_len, cache_len=cache_len,
+                    vocab_size=spec.vocab)
 
 
 def handler(args: argparse.Namespace) -> int:
@@ -75,14 +73,33 @@ def handler(args: argparse.Namespace) -> int:
         raise UserError("--report writes the timings of an artifact's precompiled prefill and decode; "
                         f"{args.model} is no artifact (compile it with mxc compile --serve)")
 
-    from mxc.compiler.lower.decode import generate
+    from mxc.runtime.cli import CommandError, sampling_from
+    from mxc.runtime.generate import GenerationError, generate
 
-    sampler = sampler_from_args(args)
+    try:
+        sampling = sampling_from(args)
+    except CommandError as err:
+        raise UserError(str(err)) from None
+    prompts = read_prompt_array(args.prompt_tokens)
     spec, params = load(args)
-    prompt = read_tokens(args.prompt_tokens, spec.vocab, "--prompt-tokens")
-    if prompt.shape[1] == 0:
-        raise UserError("--prompt-tokens needs at least one token per row")
-    tokens = generate(spec, params, prompt, args.max_new, sampler=sampler, seed=args.seed,
-                      dtype=args.dtype or "float32")
-    np.save(args.output, np.asarray(tokens).astype(prompt.dtype))
+    if prompts.ndim != 2 or prompts.shape[1] == 0:
+        raise UserError(f"--prompt-tokens {args.prompt_tokens} needs at least one token per row, shape "
+                        f"(requests, prompt), not {list(prompts.shape)}")
+    width = prompts.shape[1]
+    servable = spec_servable(spec, max(len(prompts), 1), width, width + max(args.max_new, 1) - 1,
+                             args.dtype or "float32")
+    try:
+        tokens, _ = generate(servable, params, prompts, args.max_new, sampling=sampling, seed=args.seed)
+    except GenerationError as err:
+        raise UserError(f"--prompt-tokens {args.prompt_tokens}: {err}") from None
+    np.save(args.output, tokens.astype(prompts.dtype))
     return 0
+
+
+def read_prompt_array(path: str):
+    from mxc.runtime.prompt_file import PromptFileError, read_prompt_array as read
+
+    try:
+        return read(path, "--prompt-tokens")
+    except PromptFileError as err:
+        raise UserError(str(err)) from None

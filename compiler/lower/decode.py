@@ -1,8 +1,10 @@
-"""Inference: the KV cache, prefill, one decode step, sampling, and a whole generation.
+"""Inference's model functions: the KV cache, prefill and one decode step. Choosing tokens and
+the generation loop live in the runtime (runtime/sampling.py, runtime/generate.py), shared by
+artifacts and `mxc generate MODEL`.
 
 The cache is a pytree shaped like the layer stack:
 
-    {"index": int32 scalar (tokens written so far),
+    {"index": int32 scalar (slots written so far; the positions say which token each holds),
      "positions": [batch, cache_seq] int32 (EMPTY_SLOT where nothing is written yet),
      "segments": [[{"k": [layers, batch, cache_seq, kv_heads, head_dim], "v": ...}  # per period block
                    ...] ...]}                                                       # per segment
@@ -15,8 +17,6 @@ Prefill and decode are model.forward with a cache: no second attention implement
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import partial
 from typing import Callable
 
 import jax
@@ -57,95 +57,55 @@ def cache_axes(spec: ModelSpec) -> dict:
                           for name in seg.period] for seg in spec.layers]}
 
 
-def prefill(spec: ModelSpec, params: dict, tokens: jax.Array, cache: dict, *, dtype=None,
-            attention_impl: str = "xla") -> tuple[jax.Array, dict]:
-    """Run the prompt [batch, seq] into the cache; returns the last position's logits [batch, vocab]."""
+def prefill(spec: ModelSpec, params: dict, tokens: jax.Array, cache: dict, *, lengths: jax.Array | None = None,
+            dtype=None, attention_impl: str = "xla") -> tuple[jax.Array, dict]:
+    """Run the prompt [batch, seq] into the cache; returns each row's logits [batch, vocab] at its
+    last real token.
+
+    `lengths` [batch] lets rows be shorter than seq: they are right-padded, and causal attention
+    keeps the padding out of the real tokens. The padding's cache slots are then marked empty, so
+    no later token attends to them and a row's next position is its own length."""
+    start = cache["index"]
     logits, cache = forward(spec, params, tokens, cache=cache, dtype=dtype, attention_impl=attention_impl)
-    return logits[:, -1], cache
+    if lengths is None:
+        return logits[:, -1], cache
+    lengths = lengths.astype(jnp.int32)
+    batch, seq = tokens.shape
+    real = jnp.arange(seq, dtype=jnp.int32)[None, :] < lengths[:, None]
+    written = jax.lax.dynamic_slice(cache["positions"], (0, start), (batch, seq))
+    positions = jax.lax.dynamic_update_slice(cache["positions"], jnp.where(real, written, EMPTY_SLOT), (0, start))
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    return last, {**cache, "positions": positions}
+
+
+def next_positions(cache: dict) -> jax.Array:
+    """[batch] int32: the position each row's next token takes (one past its last written one), so
+    rows whose prompts had different lengths go on from their own."""
+    written = jnp.where(cache["positions"] == EMPTY_SLOT, -1, cache["positions"])
+    return jnp.max(written, axis=1) + 1
 
 
 def decode_step(spec: ModelSpec, params: dict, tokens: jax.Array, cache: dict, *, dtype=None,
                 attention_impl: str = "xla") -> tuple[jax.Array, dict]:
-    """One new token per sequence (tokens [batch]); returns its logits [batch, vocab]."""
-    logits, cache = forward(spec, params, tokens[:, None], cache=cache, dtype=dtype,
-                            attention_impl=attention_impl)
+    """One new token per sequence (tokens [batch]), each at its row's next position; returns its
+    logits [batch, vocab]."""
+    logits, cache = forward(spec, params, tokens[:, None], positions=next_positions(cache)[:, None], cache=cache,
+                            dtype=dtype, attention_impl=attention_impl)
     return logits[:, -1], cache
 
 
-@dataclass(frozen=True)
-class Sampler:
-    """How the next token is drawn. Greedy takes the argmax; otherwise logits are divided by
-    temperature, cut to the top_k largest (ties at the k-th value kept) and to the smallest set
-    whose probability reaches top_p (the most likely token always kept), then sampled."""
+def serving_steps(spec: ModelSpec, batch: int, cache_len: int, *, dtype=None,
+                  attention_impl: str = "xla") -> tuple[Callable, Callable]:
+    """The two functions a generation driver runs, over a cache of cache_len slots for batch rows:
+    prefill(params, tokens [batch, prompt_len], lengths [batch]) -> (logits, cache) on a fresh
+    cache, and decode(params, tokens [batch], cache) -> (logits, cache). An artifact's serving
+    build compiles them; `mxc generate MODEL` jits them."""
 
-    greedy: bool = False
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
+    def run_prefill(params, tokens, lengths):
+        return prefill(spec, params, tokens, init_cache(spec, batch, cache_len, dtype), lengths=lengths,
+                       dtype=dtype, attention_impl=attention_impl)
 
-    def __post_init__(self):
-        if not self.greedy and self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, not {self.temperature} (use greedy for argmax)")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be at least 1, not {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
+    def run_decode(params, tokens, cache):
+        return decode_step(spec, params, tokens, cache, dtype=dtype, attention_impl=attention_impl)
 
-
-def filter_logits(logits: jax.Array, sampler: Sampler) -> jax.Array:
-    """Temperature, top-k and top-p applied to float32 logits [batch, vocab]; cut entries are -inf."""
-    logits = logits.astype(jnp.float32) / sampler.temperature
-    cut = jnp.full_like(logits, -jnp.inf)
-    if sampler.top_k is not None and sampler.top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, sampler.top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, cut, logits)
-    if sampler.top_p is not None and sampler.top_p < 1:
-        ordered = jnp.sort(logits, axis=-1)[..., ::-1]
-        probs = jax.nn.softmax(ordered, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        kept = mass_before < sampler.top_p
-        threshold = jnp.min(jnp.where(kept, ordered, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < threshold, cut, logits)
-    return logits
-
-
-def sample(logits: jax.Array, key: jax.Array, sampler: Sampler) -> jax.Array:
-    """Next tokens [batch] int32 from logits [batch, vocab]."""
-    if sampler.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, filter_logits(logits, sampler), axis=-1).astype(jnp.int32)
-
-
-def _generate(spec, params, prompt, key, *, max_new, sampler, dtype, attention_impl):
-    batch, prompt_len = prompt.shape
-    if max_new == 0:
-        return prompt
-    cache = init_cache(spec, batch, prompt_len + max_new, dtype)
-    logits, cache = prefill(spec, params, prompt, cache, dtype=dtype, attention_impl=attention_impl)
-    key, sub = jax.random.split(key)
-    first = sample(logits, sub, sampler)
-
-    def step(carry, _):
-        token, cache, key = carry
-        logits, cache = decode_step(spec, params, token, cache, dtype=dtype, attention_impl=attention_impl)
-        key, sub = jax.random.split(key)
-        return (sample(logits, sub, sampler), cache, key), token
-
-    (last, _, _), earlier = jax.lax.scan(step, (first, cache, key), None, length=max_new - 1)
-    new = jnp.concatenate([earlier.T, last[:, None]], axis=1)
-    return jnp.concatenate([prompt, new.astype(prompt.dtype)], axis=1)
-
-
-_COMPILED: dict[tuple, Callable] = {}  # one jitted generation per model and settings, reused across calls
-
-
-def generate(spec: ModelSpec, params: dict, prompt: jax.Array, max_new: int, *, sampler: Sampler = Sampler(greedy=True),
-             seed: int = 0, dtype=None, attention_impl: str = "xla") -> jax.Array:
-    """Prompt [batch, prompt_len] int -> prompt plus max_new tokens, [batch, prompt_len + max_new].
-
-    One compiled program: prefill, then a lax.scan of decode steps over the cache."""
-    key = (spec.model_dump_json(), max_new, sampler, str(dtype), attention_impl)
-    if key not in _COMPILED:
-        _COMPILED[key] = jax.jit(partial(_generate, spec, max_new=max_new, sampler=sampler, dtype=dtype,
-                                         attention_impl=attention_impl))
-    return _COMPILED[key](params, jnp.asarray(prompt, jnp.int32), jax.random.key(seed))
+    return run_prefill, run_decode
