@@ -5,15 +5,16 @@ accounting (`calculate_tflops_training_per_device`): every matmul weight costs 6
 in training (2 forward, 4 backward), the embedding lookup costs nothing while the output head is a
 matmul, and attention's score and value products are counted for the keys a query actually sees:
 half the sequence under a causal mask, at most the window for sliding-window layers, half a
-chunk for chunked layers.
+chunk for chunked layers. What each attention and feed-forward kind counts is stated by the kind
+(mxc.compiler.kinds); this module adds them up.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from mxc.spec.ir import (GLU, MLA, MLP, Block, ClampedSwiGLU, LayerNorm, ModelSpec, MoE,
-                         RMSNorm)
+from mxc.compiler.kinds import kind_of
+from mxc.spec.ir import Block, LayerNorm, ModelSpec, RMSNorm
 
 
 def norm_params(norm, dim: int) -> int:
@@ -25,48 +26,9 @@ def norm_params(norm, dim: int) -> int:
     return dim * (2 if norm.bias else 1)
 
 
-def dense_ffn_params(ffn, d_model: int) -> tuple[int, int]:
-    """(all parameters, matmul weights) of one dense feed-forward."""
-    h = ffn.hidden
-    if isinstance(ffn, MLP):
-        weights = 2 * d_model * h
-        biases = h + d_model if ffn.bias else 0
-    else:
-        assert isinstance(ffn, (GLU, ClampedSwiGLU))
-        weights = 3 * d_model * h
-        biases = 2 * h + d_model if ffn.bias else 0
-    return weights + biases, weights
-
-
 def attention_params(att, d_model: int) -> tuple[int, int]:
     """(all parameters, matmul weights) of one attention layer."""
-    if isinstance(att, MLA):
-        qk = att.qk_nope_head_dim + att.qk_rope_head_dim
-        if att.q_lora_rank is None:
-            q = d_model * att.heads * qk
-            q_norm = 0
-        else:
-            q = d_model * att.q_lora_rank + att.q_lora_rank * att.heads * qk
-            q_norm = norm_params(att.lora_norm, att.q_lora_rank)
-        kv = (d_model * (att.kv_lora_rank + att.qk_rope_head_dim)
-              + att.kv_lora_rank * att.heads * (att.qk_nope_head_dim + att.v_head_dim))
-        out = att.heads * att.v_head_dim * d_model
-        weights = q + kv + out
-        extra = q_norm + norm_params(att.lora_norm, att.kv_lora_rank)
-        if att.qkv_bias:
-            # DeepSeek's attention_bias: on the down-projections q_a (when low-rank) and kv_a only.
-            extra += (att.q_lora_rank or 0) + att.kv_lora_rank + att.qk_rope_head_dim
-        if att.out_bias:
-            extra += d_model
-    else:
-        q_dim = att.heads * att.head_dim
-        kv_dim = att.kv_heads * att.head_dim
-        weights = d_model * (q_dim + 2 * kv_dim) + q_dim * d_model
-        extra = (q_dim + 2 * kv_dim) if att.qkv_bias else 0
-        extra += d_model if att.out_bias else 0
-        extra += 2 * norm_params(att.qk_norm, att.head_dim)
-    extra += att.heads if att.sinks else 0
-    return weights + extra, weights
+    return kind_of(att).param_counts(att, d_model)
 
 
 @dataclass(frozen=True)
@@ -80,18 +42,10 @@ class BlockCount:
 def block_params(block: Block, d_model: int) -> BlockCount:
     att_total, att_weights = attention_params(block.attention, d_model)
     norms = 2 * norm_params(block.norm, d_model) + 2 * norm_params(block.post_norm, d_model)
-    ffn = block.mlp
-    if isinstance(ffn, MoE):
-        expert_total, expert_weights = dense_ffn_params(ffn.expert, d_model)
-        router = d_model * ffn.experts + (ffn.experts if ffn.router.bias else 0)
-        ffn_total = router + (ffn.experts + ffn.shared_experts) * expert_total
-        ffn_active = router + (ffn.top_k + ffn.shared_experts) * expert_total
-        ffn_matmul = d_model * ffn.experts + (ffn.top_k + ffn.shared_experts) * expert_weights
-    else:
-        ffn_total, ffn_matmul = dense_ffn_params(ffn, d_model)
-        ffn_active = ffn_total
-    return BlockCount(att_total + ffn_total + norms, att_total + ffn_active + norms,
-                      att_weights + ffn_matmul, isinstance(ffn, MoE))
+    ffn_kind = kind_of(block.mlp)
+    ffn = ffn_kind.param_counts(block.mlp, d_model)
+    return BlockCount(att_total + ffn.total + norms, att_total + ffn.active + norms,
+                      att_weights + ffn.matmul_active, ffn_kind.routing(block.mlp) is not None)
 
 
 def attended_keys(att, seq: int) -> float:
@@ -106,7 +60,7 @@ def attended_keys(att, seq: int) -> float:
 def attention_flops_per_token(att, seq: int) -> float:
     """Training FLOPs (forward + backward = 3x forward) of QK^T and AV for one token."""
     qk_dim = att.head_dim
-    v_dim = att.v_head_dim if isinstance(att, MLA) else att.head_dim
+    v_dim = kind_of(att).value_head_dim(att)
     return 3 * 2 * attended_keys(att, seq) * att.heads * (qk_dim + v_dim)
 
 
@@ -149,6 +103,7 @@ def summarize(spec: ModelSpec, seq: int | None = None) -> Summary:
     kinds = {}
     for name, block in spec.blocks.items():
         att, ffn = block.attention, block.mlp
+        routing = kind_of(ffn).routing(ffn)
         kinds[name] = {
             "layers": spec.layer_kinds.count(name),
             "attention": att.kind,
@@ -158,8 +113,8 @@ def summarize(spec: ModelSpec, seq: int | None = None) -> Summary:
             "chunk": att.chunk,
             "rope": att.rope is not None,
             "ffn": ffn.kind,
-            "experts": ffn.experts if isinstance(ffn, MoE) else None,
-            "top_k": ffn.top_k if isinstance(ffn, MoE) else None,
+            "experts": routing.experts if routing else None,
+            "top_k": routing.top_k if routing else None,
             "params": counts[name].total,
             "active_params": counts[name].active,
         }

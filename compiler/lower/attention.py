@@ -1,5 +1,5 @@
 """The attention layer (MHA, GQA, MQA): projections, QK-norm, RoPE, the KV cache, the core, output.
-MLA layers are handed to mla.py, which has its own projections and cache.
+MLA layers have their own (mla.py); each kind's apply is bound in mxc.compiler.kinds.
 
 The same function serves training (no cache) and inference (a cache slice per layer); only
 where the keys come from differs. Intermediates a remat policy may keep are named with
@@ -14,12 +14,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from mxc.compiler.lower.attention_core import attend
-from mxc.compiler.lower.mla import mla_layer
 from mxc.compiler.lower.norms import apply_norm
 from mxc.compiler.lower.rope import apply_rope, rope_angles
 from mxc.compiler.lower.sharding import constrain
 from mxc.compiler.lower.stacking import heads_unsplit, project_joined, project_pair, stacked_projections
-from mxc.spec.ir import MLA
 
 CHECKPOINT_NAMES = ("query_proj", "key_proj", "value_proj", "attention_context", "attention_out")
 
@@ -45,9 +43,6 @@ def attention_layer(att, params: dict, x: jax.Array, positions: jax.Array, *, ca
     With a cache ({"k", "v"}: [batch, cache_seq, kv_heads, head_dim]) the new keys and values are
     written at cache_index and the query attends to every slot, visible by cache_positions (which
     the caller has already updated with `positions`)."""
-    if isinstance(att, MLA):
-        return mla_layer(att, params, x, positions, cache=cache, cache_index=cache_index,
-                         cache_positions=cache_positions, impl=impl)
     dtype = x.dtype
     if not stacked_projections():
         q, k, v = (_project(x, params[name], dtype, "bse,ehd->bshd") for name in ("q", "k", "v"))

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import jax
 
-from mxc.compiler.lower.attention import attention_layer
-from mxc.compiler.lower.ffn import ffn_layer
-from mxc.compiler.lower.moe import MoEConfig, MoEStats, moe_layer
+from mxc.compiler.kinds import kind_of
+from mxc.compiler.lower.moe import MoEConfig, MoEStats
 from mxc.compiler.lower.norms import apply_norm
 from mxc.compiler.lower.sharding import constrain
-from mxc.spec.ir import Block, MoE
+from mxc.spec.ir import Block
 
 RESIDUAL_AXES = ("batch", "seq", "embed")
 
@@ -33,17 +32,14 @@ def block_layer_with_stats(block: Block, params: dict, x: jax.Array, positions: 
                            moe: MoEConfig = MoEConfig()) -> tuple[jax.Array, dict | None, MoEStats | None]:
     """(x after the layer, its updated cache slice, its MoEStats or None for a dense feed-forward)."""
     h = _shared_input(apply_norm(block.norm, params["attention_norm"], x))
-    h, new_cache = attention_layer(block.attention, params["attention"], h, positions, cache=cache,
-                                   cache_index=cache_index, cache_positions=cache_positions, impl=impl)
+    h, new_cache = kind_of(block.attention).apply(block.attention, params["attention"], h, positions, cache=cache,
+                                                  cache_index=cache_index, cache_positions=cache_positions,
+                                                  impl=impl)
     if block.post_norm is not None:
         h = apply_norm(block.post_norm, params["attention_post_norm"], h)
     x = constrain(x + h, RESIDUAL_AXES)
     h = _shared_input(apply_norm(block.norm, params["mlp_norm"], x))
-    stats = None
-    if isinstance(block.mlp, MoE):
-        h, stats = moe_layer(block.mlp, params["mlp"], h, moe)
-    else:
-        h = ffn_layer(block.mlp, params["mlp"], h)
+    h, stats = kind_of(block.mlp).apply(block.mlp, params["mlp"], h, moe)
     if block.post_norm is not None:
         h = apply_norm(block.post_norm, params["mlp_post_norm"], h)
     return constrain(x + h, RESIDUAL_AXES), new_cache, stats

@@ -1,4 +1,4 @@
-"""Dense feed-forward layers: MLP, GLU and GPT-OSS's clamped SwiGLU.
+"""Dense feed-forward layers: MLP, GLU and GPT-OSS's clamped SwiGLU (their kinds: kinds/dense_ffn.py).
 
 Named checkpoints: mlp_in (the input projections' outputs) and mlp_out (the down projection's).
 `hidden_activation` is the part between the projections, shared with the MoE experts (moe.py).
@@ -10,10 +10,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from mxc.compiler.lower.params import UnsupportedError
+from mxc.compiler.kinds import kind_of
+from mxc.compiler.kinds.dense_ffn import DenseFFN
+from mxc.compiler.lower.param_def import UnsupportedError
 from mxc.compiler.lower.sharding import constrain
 from mxc.compiler.lower.stacking import project_pair, stacked_projections
-from mxc.spec.ir import GLU, MLP, ClampedSwiGLU
 
 CHECKPOINT_NAMES = ("mlp_in", "mlp_out")
 
@@ -26,17 +27,30 @@ ACTIVATIONS = {
 }
 
 
+def mlp_hidden(ffn, gate: None, up: jax.Array) -> jax.Array:
+    return ACTIVATIONS[ffn.act](up)
+
+
+def glu_hidden(ffn, gate: jax.Array, up: jax.Array) -> jax.Array:
+    return ACTIVATIONS[ffn.act](gate) * up
+
+
+def clamped_swiglu_hidden(ffn, gate: jax.Array, up: jax.Array) -> jax.Array:
+    gate = jnp.minimum(gate, ffn.limit)
+    up = jnp.clip(up, -ffn.limit, ffn.limit)
+    return gate * jax.nn.sigmoid(ffn.alpha * gate) * (up + 1)
+
+
+def _dense_kind(ffn) -> DenseFFN:
+    kind = kind_of(ffn)
+    if not isinstance(kind, DenseFFN):
+        raise UnsupportedError(f"{ffn.kind} feed-forward is not a dense feed-forward (see moe.py)")
+    return kind
+
+
 def hidden_activation(ffn, gate: jax.Array | None, up: jax.Array) -> jax.Array:
     """The hidden units from the input projections' outputs (gate is None for an MLP)."""
-    if isinstance(ffn, MLP):
-        return ACTIVATIONS[ffn.act](up)
-    if isinstance(ffn, GLU):
-        return ACTIVATIONS[ffn.act](gate) * up
-    if isinstance(ffn, ClampedSwiGLU):
-        gate = jnp.minimum(gate, ffn.limit)
-        up = jnp.clip(up, -ffn.limit, ffn.limit)
-        return gate * jax.nn.sigmoid(ffn.alpha * gate) * (up + 1)
-    raise UnsupportedError(f"{ffn.kind} feed-forward is not a dense feed-forward")
+    return _dense_kind(ffn).hidden(ffn, gate, up)
 
 
 def _linear(x, params, dtype, axes):
@@ -48,8 +62,7 @@ def _linear(x, params, dtype, axes):
 
 def ffn_layer(ffn, params: dict, x: jax.Array) -> jax.Array:
     """x [batch, seq, embed] -> [batch, seq, embed]."""
-    if not isinstance(ffn, (MLP, GLU, ClampedSwiGLU)):
-        raise UnsupportedError(f"{ffn.kind} feed-forward is not a dense feed-forward (see moe.py)")
+    _dense_kind(ffn)
     dtype = x.dtype
     hidden_axes = ("batch", "seq", "mlp")
     if "gate" in params and stacked_projections():

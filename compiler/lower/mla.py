@@ -35,40 +35,12 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from mxc.compiler.kinds.mla import latent_cache_entries  # noqa: F401  (the cache layout; decode reads it here)
 from mxc.compiler.lower.attention_core import attend
 from mxc.compiler.lower.norms import apply_norm
-from mxc.compiler.lower.params import ParamDef, _linear, norm_defs
 from mxc.compiler.lower.rope import apply_rope, rope_angles, softmax_scale_correction
 from mxc.compiler.lower.sharding import constrain
 from mxc.spec.ir import MLA
-
-
-def mla_defs(att: MLA, d_model: int) -> dict:
-    """One layer's MLA parameters (unstacked); see the module docstring for the layout."""
-    h, qk = att.heads, att.qk_nope_head_dim + att.qk_rope_head_dim
-    defs = {}
-    if att.q_lora_rank is None:
-        defs["q"] = _linear((d_model,), ("embed",), (h, qk), ("heads", "head_dim"), False)
-    else:
-        defs["q_a"] = _linear((d_model,), ("embed",), (att.q_lora_rank,), ("q_lora",), att.qkv_bias)
-        defs["q_norm"] = norm_defs(att.lora_norm, att.q_lora_rank, "q_lora")
-        defs["q_b"] = _linear((att.q_lora_rank,), ("q_lora",), (h, qk), ("heads", "head_dim"), False)
-    # The fused [latent, k_rope] output is not a kv_lora axis: it would split unlike the cache.
-    defs["kv_a"] = _linear((d_model,), ("embed",), (att.kv_lora_rank + att.qk_rope_head_dim,), (None,),
-                                att.qkv_bias)
-    defs["kv_norm"] = norm_defs(att.lora_norm, att.kv_lora_rank, "kv_lora")
-    defs["kv_b"] = _linear((att.kv_lora_rank,), ("kv_lora",), (h, att.qk_nope_head_dim + att.v_head_dim),
-                                ("heads", "head_dim"), False)
-    defs["o"] = _linear((h, att.v_head_dim), ("heads", "head_dim"), (d_model,), ("embed",), att.out_bias)
-    if att.sinks:
-        defs["sinks"] = ParamDef((h,), ("heads",), "normal")
-    return defs
-
-
-def latent_cache_entries(att: MLA, batch: int, length: int) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-    """One layer's cache arrays, name -> (shape, logical axes): the latent and the rotated rope key."""
-    return {"latent": ((batch, length, att.kv_lora_rank), ("batch", "cache_seq", "kv_lora")),
-            "k_rope": ((batch, length, att.qk_rope_head_dim), ("batch", "cache_seq", "head_dim"))}
 
 
 def _project(x, params, dtype, pattern):

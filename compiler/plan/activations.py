@@ -7,10 +7,10 @@ logical axes, so a Choice turns them into one device's bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from mxc.compiler.kinds import kind_of
+from mxc.compiler.kinds.base import Intermediate
 from mxc.compiler.plan.choice import Choice
-from mxc.spec.ir import MLA, MLP, Block, MoE
+from mxc.spec.ir import Block
 
 QKV = ("query_proj", "key_proj", "value_proj")
 NAMED = (*QKV, "attention_context", "attention_out", "mlp_in", "mlp_out")
@@ -54,20 +54,12 @@ RECOMPUTED: dict[str, tuple[str, ...]] = {
 }
 
 
-@dataclass(frozen=True)
-class Intermediate:
-    name: str  # a checkpoint name, or what an unnamed intermediate is
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]
-    bytes_per_element: int
-
-
 def intermediates(block: Block, choice: Choice) -> list[Intermediate]:
     """One layer's intermediates for one microbatch, in the order the forward pass makes them."""
     b, s, d = choice.microbatch, choice.seq, choice.spec.d_model
     act = choice.compute_bytes
     att, ffn = block.attention, block.mlp
-    v_dim = att.v_head_dim if isinstance(att, MLA) else att.head_dim
+    v_dim = kind_of(att).value_head_dim(att)
     tokens = ("batch", "seq")
     out = [
         Intermediate("layer_input", (b, s, d), (*tokens, "embed"), act),
@@ -91,26 +83,7 @@ def intermediates(block: Block, choice: Choice) -> list[Intermediate]:
         Intermediate("attention_residual", (b, s, d), (*tokens, "embed"), act),
         Intermediate("mlp_norm_out", (b, s, d), (*tokens, "embed"), act),
     ]
-    expert = ffn.expert if isinstance(ffn, MoE) else ffn
-    inputs = 1 if isinstance(expert, MLP) else 2
-    if isinstance(ffn, MoE):
-        # The capacity path gives each expert `slots` rows per sequence, filled with the tokens
-        # routed to it through one-hot dispatch and combine tensors [batch, seq, experts, slots].
-        from mxc.compiler.lower.moe import capacity
-
-        slots = capacity(s, ffn.top_k, ffn.experts, choice.capacity_factor or 1.0)
-        rows = ffn.experts * slots
-        out.append(Intermediate("router_probabilities", (b, s, ffn.experts), (*tokens, None), 4))
-        out += [Intermediate(name, (b, s, ffn.experts, slots), (*tokens, "experts", None), act)
-                for name in ("dispatch", "combine")]
-        out.append(Intermediate("expert_inputs", (b, ffn.experts, slots, d), ("batch", "experts", None, "embed"), act))
-        # Shared experts see every token once more.
-        hidden = ((b, rows + s * ffn.shared_experts, expert.hidden), ("batch", None, "mlp"))
-    else:
-        hidden = ((b, s, expert.hidden), (*tokens, "mlp"))
-    out += [Intermediate("mlp_in", *hidden, act) for _ in range(inputs)]
-    out += [Intermediate("mlp_activation", *hidden, act), Intermediate("mlp_hidden", *hidden, act)]
-    out.append(Intermediate("mlp_out", (b, s, d), (*tokens, "embed"), act))
+    out += kind_of(ffn).intermediates(ffn, choice)
     return out
 
 

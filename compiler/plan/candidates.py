@@ -8,13 +8,14 @@ from dataclasses import replace
 from typing import Iterator, Mapping, NamedTuple
 
 from mxc.compiler.commands.units import size_bytes
+from mxc.compiler.kinds import kind_of
 from mxc.compiler.plan import activations, cost, memory
 from mxc.compiler.plan.choice import Choice
 from mxc.compiler.plan.layout import Parameters
 from mxc.compiler.plan.plan import MESH_AXES, Memory, StepTime
 from mxc.compiler.plan.rules import make_rules
 from mxc.compiler.topology import Topology
-from mxc.spec.ir import ModelSpec, MoE
+from mxc.spec.ir import ModelSpec
 
 # MoE layers train on the lowering's capacity path with MaxText's dropping recipes' factor: the
 # dropless path sorts every assignment of the global batch, which XLA does not partition
@@ -58,7 +59,8 @@ def meshes(spec: ModelSpec, topology: Topology, seq: int, pins: Mapping[str, int
     """(mesh, dcn) pairs: whole axis sizes and the factor of each that spans slices."""
     chips, slices = topology.chips, topology.slices
     heads = [b.attention.heads for b in spec.blocks.values()]
-    experts = [b.mlp.experts for b in spec.blocks.values() if isinstance(b.mlp, MoE)]
+    routings = [kind_of(b.mlp).routing(b.mlp) for b in spec.blocks.values()]
+    experts = [r.experts for r in routings if r is not None]
     options = {
         "tensor": [t for t in divisors(chips) if t <= MAX_TENSOR and all(h % t == 0 for h in heads)],
         "expert": [e for e in divisors(chips) if all(x % e == 0 for x in experts)] if experts else [1],
@@ -108,7 +110,7 @@ def choices(spec: ModelSpec, params: Parameters, topology: Topology, seq: int, b
 
 def expert_settings(spec: ModelSpec) -> tuple[str | None, float | None]:
     """(expert path, capacity factor) for the model's MoE layers; (None, None) without any."""
-    if any(isinstance(block.mlp, MoE) for block in spec.blocks.values()):
+    if any(kind_of(block.mlp).routing(block.mlp) is not None for block in spec.blocks.values()):
         return EXPERT_PATH, CAPACITY_FACTOR
     return None, None
 

@@ -25,11 +25,12 @@ from __future__ import annotations
 import math
 
 from mxc.compiler.analysis import attention_flops_per_token, summarize
+from mxc.compiler.kinds import kind_of
 from mxc.compiler.plan.activations import RECOMPUTED, layer_bytes, layer_working_bytes
 from mxc.compiler.plan.choice import Choice, layer_counts
 from mxc.compiler.plan.memory import logits_bytes, parameter_bytes
 from mxc.compiler.plan.plan import StepTime
-from mxc.spec.ir import MLA, MLP, MoE
+from mxc.spec.ir import MoE
 
 # AdamW's update reads parameter, gradient and both moments and writes three of them back.
 UPDATE_ACCESSES = 7
@@ -42,19 +43,8 @@ HOST_BANDWIDTH = 32e9
 def _matmul_flops_per_token(block, d_model: int) -> dict[str, float]:
     """Forward FLOPs per token of one layer's matmuls, by the groups remat policies recompute."""
     att, ffn = block.attention, block.mlp
-    if isinstance(att, MLA):
-        from mxc.compiler.analysis import attention_params
-
-        _, weights = attention_params(att, d_model)
-        out = att.heads * att.v_head_dim * d_model
-        qkv = weights - out
-    else:
-        qkv = d_model * (att.heads + 2 * att.kv_heads) * att.head_dim
-        out = att.heads * att.head_dim * d_model
-    expert = ffn.expert if isinstance(ffn, MoE) else ffn
-    active = (ffn.top_k + ffn.shared_experts) if isinstance(ffn, MoE) else 1
-    inputs = 1 if isinstance(expert, MLP) else 2
-    return {"qkv": 2 * qkv, "out": 2 * out, "mlp_in": 2 * inputs * d_model * expert.hidden * active}
+    qkv, out = kind_of(att).projection_weights(att, d_model)
+    return {"qkv": 2 * qkv, "out": 2 * out, "mlp_in": 2 * kind_of(ffn).input_weights_per_token(ffn, d_model)}
 
 
 _MODEL_FLOPS: dict[tuple[int, int], tuple[object, float]] = {}
@@ -84,7 +74,7 @@ def executed_flops_per_token(choice: Choice) -> tuple[float, float]:
         if not choice.attention.startswith("splash"):
             # Without a flash kernel the masked half of the scores is computed too.
             redo += count * core * (1 + ("core" in recomputed) / 3)
-        if isinstance(block.mlp, MoE) and choice.expert_path == "capacity":
+        if kind_of(block.mlp).routing(block.mlp) is not None and choice.expert_path == "capacity":
             redo += count * _capacity_overhead_per_token(block.mlp, spec.d_model, choice)
     return model, model + redo
 
@@ -96,7 +86,7 @@ def _capacity_overhead_per_token(moe: MoE, d_model: int, choice: Choice) -> floa
 
     slots = capacity(choice.seq, moe.top_k, moe.experts, choice.capacity_factor)
     filled = moe.experts * slots / (moe.top_k * choice.seq)  # rows computed per row routed
-    inputs = 1 if isinstance(moe.expert, MLP) else 2
+    inputs = kind_of(moe.expert).input_projections
     expert = 6 * (inputs + 1) * d_model * moe.expert.hidden * moe.top_k
     dispatch = 6 * 2 * moe.experts * slots * d_model  # two einsums, forward and backward
     return (filled - 1) * expert + dispatch
@@ -168,7 +158,8 @@ def communication(choice: Choice) -> dict[str, float]:
         seconds["tensor all-reduce"] = microbatches * per_microbatch
     expert = choice.mesh.get("expert", 1)
     kinds = layer_counts(spec)
-    routed = sum(count * spec.blocks[n].mlp.top_k for n, count in kinds.items() if isinstance(spec.blocks[n].mlp, MoE))
+    routings = {n: kind_of(spec.blocks[n].mlp).routing(spec.blocks[n].mlp) for n in kinds}
+    routed = sum(count * routings[n].top_k for n, count in kinds.items() if routings[n] is not None)
     if expert > 1 and routed:
         per_layer = routed * residual
         # Dispatch and combine, forward and backward, and again when the forward is recomputed.

@@ -16,10 +16,10 @@ mxc's own train step compiled for TPU targets (docs/plans.md lists the runs).
 
 from __future__ import annotations
 
+from mxc.compiler.kinds import kind_of
 from mxc.compiler.plan.activations import attention_score_bytes, layer_bytes, layer_working_bytes
 from mxc.compiler.plan.choice import Choice, layer_counts
 from mxc.compiler.plan.plan import Memory
-from mxc.spec.ir import MLA
 
 ADAM_MOMENTS = 2
 
@@ -123,11 +123,7 @@ def kv_cache_bytes(choice: Choice, cache_seq: int, batch: int | None = None) -> 
     for name in spec.layer_kinds:
         att = spec.blocks[name].attention
         # The lowering keeps a full-length cache on sliding-window layers too (the mask applies
-        # the window), and MLA caches one compressed latent plus the RoPE key per token.
-        if isinstance(att, MLA):
-            total += choice.local((batch, cache_seq, att.kv_lora_rank + att.qk_rope_head_dim),
-                                  ("batch", "cache_seq", None))
-        else:
-            total += 2 * choice.local((batch, cache_seq, att.kv_heads, att.head_dim),
-                                      ("batch", "cache_seq", "kv_heads", "head_dim"))
+        # the window); each kind states its entries (MLA: one compressed latent and the RoPE key).
+        total += sum(choice.local(shape, axes) for shape, axes in
+                     kind_of(att).cache_entries(att, batch, cache_seq).values())
     return total * choice.compute_bytes
