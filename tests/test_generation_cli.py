@@ -89,7 +89,7 @@ def test_a_token_file_as_prompt_is_refused_by_name(tmp_path):
                     "--max-new", "2", "-o", str(tmp_path / "o.npy"))
     assert done.returncode != 0 and "Traceback" not in done.stderr and "pickle" not in done.stderr
     assert f"--prompt-tokens {tokens} is a token file of mxc tokenize" in done.stderr and ".npy" in done.stderr
-    try:  # the spec path (mxc generate MODEL, mxc forward) reads prompts through the same function
+    try:  # the spec path (mxc forward; mxc generate MODEL likewise) reads prompts through the same function
         read_tokens(str(tokens), 512, "--prompt-tokens")
         raise AssertionError("a token file was read as a prompt array")
     except UserError as err:
@@ -103,3 +103,19 @@ def test_a_pickled_npy_is_refused_naming_the_file(tmp_path):
                     "--max-new", "2", "-o", str(tmp_path / "o.npy"))
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert f"cannot read --prompt-tokens {pickled}" in done.stderr and ".npy array of int token ids" in done.stderr
+
+
+def test_a_spec_refuses_an_empty_prompt_row_naming_the_file(tmp_path):
+    import jax
+
+    from mxc.compiler.lower.params import init_params
+    from mxc.runtime.params_io import save_params
+    from mxc.spec.load import load_model
+
+    params = save_params(tmp_path / "params", init_params(load_model("llama3-tiny"), jax.random.key(0)))
+    prompts = tmp_path / "p.npy"
+    np.save(prompts, np.array([[5, 6, 7], [-1, -1, -1]], np.int32))  # -1 pads a shorter row: this one is empty
+    done = _mxc("generate", "llama3-tiny", "--params", str(params), "--prompt-tokens", str(prompts),
+                "--max-new", "2", "-o", str(tmp_path / "o.npy"))
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert f"mxc: error: --prompt-tokens {prompts}: prompt row 1 is empty" in done.stderr

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,23 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from runtime_support import PYTHON, compile_tiny, cpu_env  # noqa: E402
 
-_TRAIN_TWICE = textwrap.dedent("""
-    import sys
-    import numpy as np
-    from mxc.runtime.program import load
-
-    program = load(sys.argv[1])
-    batch = {leaf.path[1]: np.zeros(leaf.shape, leaf.dtype)
-             for leaf in program.manifest.functions["train_step"].inputs if leaf.path[0] == 1}
-    state = program.init(0)
-    program.train_step(state, batch)
-    try:
-        program.train_step(state, batch)  # the same state again: its buffers went to the first call
-    except ValueError as err:
-        print(err)
-        sys.exit(0)
-    sys.exit(5)
-""")
+CHILDREN = Path(__file__).parent / "children"
 
 
 @pytest.fixture(scope="module")
@@ -38,29 +21,10 @@ def artifact(tmp_path_factory) -> Path:
 
 
 def test_a_donated_state_passed_again_is_an_error_not_a_crash(artifact):
-    done = subprocess.run([PYTHON, "-c", _TRAIN_TWICE, str(artifact)], env=cpu_env(8), capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([PYTHON, str(CHILDREN / "train_twice.py"), str(artifact)], env=cpu_env(8),
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
     assert "argument state.step was donated to a previous call" in done.stdout
-
-
-_LOAD_AND_EVAL = textwrap.dedent("""
-    import sys
-    import numpy as np
-    from mxc.runtime.artifact import ArtifactError
-    from mxc.runtime.program import load
-
-    try:
-        program = load(sys.argv[1])
-    except ArtifactError as err:
-        print(err)
-        sys.exit(0)
-    function = program.manifest.functions["eval_step"]
-    params = program.init(0)["params"]
-    batch = {leaf.path[1]: np.zeros(leaf.shape, leaf.dtype) for leaf in function.inputs if leaf.path[0] == 1}
-    program.eval_step(params, batch)
-    sys.exit(5)
-""")
 
 
 def test_an_executable_that_does_not_match_its_manifest_is_refused_at_load(artifact, tmp_path):
@@ -76,7 +40,7 @@ def test_an_executable_that_does_not_match_its_manifest_is_refused_at_load(artif
     manifest["functions"]["eval_step"]["executable"] = "prefill.executable"
     manifest["manifest_sha256"] = manifest_digest(manifest)
     (swapped / "manifest.json").write_text(json.dumps(manifest))
-    done = subprocess.run([PYTHON, "-c", _LOAD_AND_EVAL, str(swapped)], env=cpu_env(8), capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([PYTHON, str(CHILDREN / "load_and_eval.py"), str(swapped)], env=cpu_env(8),
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
-    assert "prefill.executable takes 13 parameters, but the manifest lists 15 inputs of eval_step" in done.stdout
+    assert "prefill.executable takes 14 parameters, but the manifest lists 15 inputs of eval_step" in done.stdout

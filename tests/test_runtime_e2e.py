@@ -5,7 +5,7 @@
 - A run killed with SIGKILL near step 40 and started again resumes from its last checkpoint and
   ends bitwise equal (losses and parameters) to the uninterrupted run.
 - SIGTERM saves the step under way and exits 0.
-- `mxc generate ARTIFACT` decodes greedily exactly as the compiler-side reference decode does.
+- `mxc generate ARTIFACT` decodes greedily as a full forward re-run per token does.
 - Two processes of 4 devices each (jax.distributed, gloo on 127.0.0.1) give the 8-device losses.
 """
 
@@ -130,7 +130,7 @@ def test_sigterm_saves_and_exits_cleanly(workdir, artifact, tokens):
     assert "signal received" in stderr
 
 
-def test_generate_with_the_artifact_matches_the_reference_decode(workdir, artifact, reference):
+def test_generate_with_the_artifact_matches_the_full_forward_greedy_decode(workdir, artifact, reference):
     _, ckpt, _, _ = reference
     prompts = np.array([list(b"The "), list(b"def "), list(b"clas")], np.int32)
     assert prompts.shape[1] == PROMPT_LEN
@@ -157,26 +157,12 @@ def test_generate_with_the_artifact_matches_the_reference_decode(workdir, artifa
     assert sum(np.array_equal(g, e) for g, e in zip(generated, expected)) >= len(prompts) - 1, (generated, expected)
 
 
-_REFERENCE_DECODE = """
-import sys, numpy as np
-from mxc.compiler.lower.decode import generate
-from mxc.compiler.lower.model import forward
-from mxc.spec.load import load_model
-from runtime_support import restore_on_one_device
-ckpt, step, prompts, max_new, generated, output = sys.argv[1:]
-params = restore_on_one_device(ckpt, int(step))
-spec = load_model("llama3-tiny")
-tokens = generate(spec, params, np.load(prompts), int(max_new))
-logits, _ = forward(spec, params, np.load(generated))
-np.savez(output, tokens=np.asarray(tokens), logits=np.asarray(logits, np.float32))
-"""
-
-
 def _reference_greedy(ckpt, prompts, max_new, generated, workdir):
-    """The compiler's own jitted decode (lower.decode.generate) on the same parameters, one device,
-    and its logits over the sequences in `generated` (teacher-forced)."""
+    """Greedy tokens by the full forward re-run per token (no cache, no generation driver) on the
+    same parameters, one device, and its logits over the sequences in `generated` (teacher-forced)."""
     output = workdir / "reference_generated.npz"
-    done = subprocess.run([PYTHON, "-c", _REFERENCE_DECODE, str(ckpt.absolute()), str(STEPS),
+    done = subprocess.run([PYTHON, os.path.join(os.path.dirname(__file__), "children", "reference_decode.py"),
+                           str(ckpt.absolute()), str(STEPS),
                            str(workdir / "prompts.npy"), str(max_new), str(generated), str(output)],
                           env=cpu_env(PYTHONPATH=os.path.dirname(__file__)), capture_output=True, text=True,
                           timeout=300)
