@@ -174,3 +174,27 @@ def test_every_ir_class_of_the_unions_has_a_kind():
     for union in (Attention, FFN):
         for cls in get_args(get_args(union)[0]):
             assert kind_of(cls.model_construct()).ir_classes.count(cls) == 1
+
+
+@pytest.mark.parametrize("update, field", [
+    ({"top_k": 9}, ("top_k",)),
+    ({"router": {"groups": 3}}, ("router", "groups")),
+    ({"router": {"groups": 4, "top_groups": 5}}, ("router", "top_groups")),
+    ({"top_k": 5, "router": {"groups": 4, "top_groups": 2}}, ("top_k",)),
+])
+def test_the_lowering_refuses_a_mixture_of_experts_with_the_message_validation_reports(update, field):
+    """One set of MoE rules: what validation reports at a field, the parameter builder refuses."""
+    from mxc.compiler.lower.params import UnsupportedError, moe_defs
+    from mxc.spec.ir import GLU, MoE, Router
+
+    fields = {"experts": 8, "top_k": 2, "expert": GLU(hidden=16, act="silu"),
+              "router": {"score": "softmax", "normalize": True}}
+    fields.update({k: v for k, v in update.items() if k != "router"})
+    fields["router"] = Router(**fields["router"], **update.get("router", {}))
+    moe = MoE(**fields)
+    problems = []
+    kind_of(moe).check(moe, ("mlp",), lambda path, message, hint=None: problems.append((path, message)))
+    assert [path for path, _ in problems] == [("mlp", *field)]
+    with pytest.raises(UnsupportedError) as refused:
+        moe_defs(moe, 32)
+    assert str(refused.value) == problems[0][1]
