@@ -227,7 +227,7 @@ def test_generate_samples_reproducibly_from_the_command_line(built, capsys):
     assert run("--greedy", "--temperature", "0.5")[0] == 1
     assert "cannot be combined with --temperature" in capsys.readouterr().err
     assert run("--top-p", "1.5")[0] == 1
-    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    assert "--top-p must lie in (0, 1]" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("built", ["gemma2"], indirect=True)
