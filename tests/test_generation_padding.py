@@ -2,8 +2,9 @@
 the model functions of compiler/lower/decode.py gives exactly the tokens of a greedy decode that
 re-runs the full forward over each unpadded row for every new token (no cache, no padding).
 
-The model mixes the attention kinds whose masks depend on positions: a sliding window, chunked
-attention with sinks-free NoPE, and global attention; and MLA (mla-tiny), which caches latents."""
+One model mixes the attention kinds whose masks depend on positions: a sliding window with sinks,
+chunked attention without rope, and global attention; the other is MLA (mla-tiny), which caches
+compressed latents instead of keys and values."""
 
 from __future__ import annotations
 
