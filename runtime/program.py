@@ -204,7 +204,7 @@ def _recompiled_runner(function: Function, data: bytes, mesh: Mesh, options: dic
 
 class Program:
     """The artifact's functions bound to this host's devices: `init(seed)`, `train_step(state,
-    batch)`, `eval_step(params, batch)`, and with a serving build `prefill(params, tokens)` and
+    batch)`, `eval_step(params, batch)`, and with a serving build `prefill(params, tokens, lengths)` and
     `decode(params, tokens, cache)`."""
 
     def __init__(self, directory: Path, manifest: Manifest, mesh: Mesh, functions: dict[str, BoundFunction],
