@@ -13,7 +13,7 @@ The tree is nested dicts keyed by the IR's names; the layers of a segment are st
                         "attention_post_norm": {...},  # Gemma 2/3 only
                         "mlp_norm": {...},
                         "mlp": {"gate": {"kernel": [layers, embed, mlp]}, "up": ..., "down": ...},
-                               # or, for a MoE layer (see moe_defs):
+                               # or, for a MoE layer (see kinds/moe.py, moe_defs):
                                # {"router": {"kernel": [layers, embed, experts], "bias", "correction_bias"},
                                #  "experts": {"gate": {"kernel": [layers, experts, embed, mlp]}, ...},
                                #  "shared": {"gate": {"kernel": [layers, embed, mlp]}, ...}}
