@@ -140,7 +140,7 @@ def model_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig) -> 
 
 def serve_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig, params,
                     params_shardings) -> list[Traceable]:
-    from mxc.compiler.lower.decode import cache_axes, decode_step, init_cache, prefill
+    from mxc.compiler.lower.decode import cache_axes, init_cache, serving_steps
     from mxc.compiler.lower.sharding import tree_shardings
 
     rules = plan.rules_tuples()
@@ -149,21 +149,18 @@ def serve_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig, par
     cache_shardings = tree_shardings(cache_axes(spec), mesh, rules)
     logits = named_sharding(("batch", "vocab"), mesh, rules)
     tokens = named_sharding(("batch", "seq"), mesh, rules)
+    rows = named_sharding(("batch",), mesh, rules)
     attention = "xla" if plan.attention.startswith("splash") else plan.attention  # decode never uses splash
-
-    def run_prefill(params, prompt):
-        return prefill(spec, params, prompt, init_cache(spec, batch, length), attention_impl=attention)
-
-    def run_decode(params, next_tokens, cache):
-        return decode_step(spec, params, next_tokens, cache, attention_impl=attention)
+    run_prefill, run_decode = serving_steps(spec, batch, length, attention_impl=attention)
 
     return [
-        Traceable("prefill", run_prefill, ("params", "tokens"),
-                  (params, jax.ShapeDtypeStruct((batch, run.prompt_len), jnp.int32)), (params_shardings, tokens),
+        Traceable("prefill", run_prefill, ("params", "tokens", "lengths"),
+                  (params, jax.ShapeDtypeStruct((batch, run.prompt_len), jnp.int32),
+                   jax.ShapeDtypeStruct((batch,), jnp.int32)), (params_shardings, tokens, rows),
                   lambda _: (logits, cache_shardings)),
         Traceable("decode", run_decode, ("params", "tokens", "cache"),
                   (params, jax.ShapeDtypeStruct((batch,), jnp.int32), cache),
-                  (params_shardings, named_sharding(("batch",), mesh, rules), cache_shardings),
+                  (params_shardings, rows, cache_shardings),
                   lambda _: (logits, cache_shardings), donate=(2,)),
     ]
 
