@@ -58,7 +58,7 @@ def run(program):
     first = jax.tree.map(np.asarray, state)
     evaluated = program.eval_step(state["params"], batch)
     state, metrics = program.train_step(state, batch)
-    logits, cache = program.prefill(state["params"], prompt)
+    logits, cache = program.prefill(state["params"], prompt, np.full(8, 16, np.int32))  # every row 16 tokens
     step_logits, cache = program.decode(state["params"], np.argmax(np.asarray(logits), -1), cache)
     return jax.tree.map(np.asarray, {"init": first, "eval": evaluated, "state": state, "metrics": metrics,
                                      "prefill": logits, "decode": step_logits, "index": cache["index"]})
