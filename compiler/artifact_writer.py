@@ -94,11 +94,12 @@ def _staging_dir(destination: Path) -> Path:
 
 def write_artifact(destination: str | Path, manifest: Manifest, files: dict[str, bytes], *,
                    force: bool = False) -> Manifest:
-    """Write `files` and the manifest (with every file's sha256) to `destination`; returns the
-    manifest as written."""
+    """Write `files` and the manifest (with every file's sha256 and size) to `destination`;
+    returns the manifest as written."""
     destination = Path(destination)
     manifest = manifest.model_copy(
-        update={"files": {name: sha256_hex(data) for name, data in sorted(files.items())}}).sealed()
+        update={"files": {name: sha256_hex(data) for name, data in sorted(files.items())},
+                "file_sizes": {name: len(data) for name, data in sorted(files.items())}}).sealed()
     staging = _staging_dir(destination)
     try:
         for name, data in files.items():

@@ -3,7 +3,8 @@ runtime reads.
 
 An artifact is a directory:
 
-    manifest.json           this schema (every other file listed in `files` with its sha256)
+    manifest.json           this schema (every other file listed in `files` with its sha256,
+                            and in `file_sizes` with its size in bytes)
     <function>.executable   the native executable, as PJRT serialises it (raw bytes, no pickle)
     <function>.stablehlo    the portable export (jax.export's flatbuffer), for recompiling when
                             the library versions on the running host differ
@@ -26,7 +27,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeIn
 from mxc.runtime.file_names import plain_name
 
 # 2: `compiler_options`, the options XLA compiled every function with.
-FORMAT_VERSION = 2
+# 3: `file_sizes`, so a listed file is read only up to its recorded size.
+FORMAT_VERSION = 3
 MANIFEST_NAME = "manifest.json"
 
 # A file of the artifact: a plain name inside its folder, so no manifest can name a file elsewhere.
@@ -137,6 +139,7 @@ class Manifest(_Record):
     versions: Versions
     functions: dict[str, Function]
     files: dict[FileName, str]  # file name -> sha256 hex, every file but the manifest
+    file_sizes: dict[FileName, NonNegativeInt] = {}  # file name -> size in bytes, the same files
     estimate: Estimate | None = None
     # XLA options beyond its defaults that every function was compiled with (mxc.compiler.xla_options);
     # a recompile from the StableHLO exports passes them again.

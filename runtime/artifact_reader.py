@@ -1,14 +1,15 @@
 """Reading an artifact and deciding whether it may run here, before any executable is touched.
 
 Order matters: the format version is read first (a newer format may mean anything), then the
-schema, then every file's sha256 (the bytes that are checked are the bytes later deserialised),
-then the live devices. XLA checks none of this itself: a flipped byte can deserialise and then
+schema, then every file's size (before it is read) and sha256 (the bytes that are checked are
+the bytes later deserialised), then the live devices. XLA checks none of this itself: a flipped byte can deserialise and then
 crash the process, and an executable for 8 devices loads silently on 16.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,8 +103,22 @@ def _listed_files(directory: Path) -> set[str]:
     return found
 
 
+def read_listed_file(path: Path, size: int) -> bytes:
+    """The bytes of a listed file, refused before it is read when its size is not the recorded
+    one, and never read beyond that size (a file that grows meanwhile is refused too)."""
+    with open(path, "rb") as f:
+        found = os.fstat(f.fileno()).st_size
+        if found != size:
+            raise ArtifactError(f"{path} is corrupt or was modified: expected {size:,} bytes (as its manifest "
+                                f"records), found {found:,}")
+        data = f.read(size + 1)
+    if len(data) != size:
+        raise ArtifactError(f"{path} changed while it was read: expected {size:,} bytes, read {len(data):,}")
+    return data
+
+
 def verify_files(directory: str | Path, manifest: Manifest) -> dict[str, bytes]:
-    """Every listed file present with its sha256, and nothing unlisted; returns their bytes."""
+    """Every listed file present with its size and sha256, and nothing unlisted; returns their bytes."""
     directory = Path(directory)
     present = _listed_files(directory)
     missing = sorted(set(manifest.files) - present)
@@ -113,9 +128,13 @@ def verify_files(directory: str | Path, manifest: Manifest) -> dict[str, bytes]:
     if extra:
         raise ArtifactError(f"{directory} holds files its manifest does not list ({', '.join(extra)}): "
                             "expected only the listed files")
+    unsized = sorted(set(manifest.files) - set(manifest.file_sizes))
+    if unsized:
+        raise ArtifactError(f"{directory / MANIFEST_NAME} records no size for {', '.join(unsized)}: expected "
+                            f"a size for every listed file (format {FORMAT_VERSION}); compile the model again")
     contents = {}
     for relative, expected in sorted(manifest.files.items()):
-        data = (directory / relative).read_bytes()
+        data = read_listed_file(directory / relative, manifest.file_sizes[relative])
         found = sha256_hex(data)
         if found != expected:
             raise ArtifactError(f"{directory / relative} is corrupt or was modified: expected sha256 "
