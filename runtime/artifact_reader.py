@@ -148,13 +148,19 @@ def verify_files(directory: str | Path, manifest: Manifest) -> dict[str, bytes]:
     return contents
 
 
+def check_signer(directory: str | Path, trusted_keys: list) -> bytes:
+    """The manifest's bytes, once its signature by one of `trusted_keys` is checked (and nothing
+    else of the artifact read); an ArtifactError names a key file that cannot be used."""
+    raw = _manifest_bytes(Path(directory))
+    check_signature(directory, raw, list(trusted_keys))
+    return raw
+
+
 def read_verified(directory: str | Path, trusted_keys: list | None = None) -> VerifiedArtifact:
     """The artifact with every file checked. With trusted keys (`trusted_keys`, else those named by
     $MXC_TRUSTED_KEYS) the manifest's signature is checked first, on the very bytes then parsed."""
-    raw = _manifest_bytes(Path(directory))
     keys = trusted_keys_from_env() if trusted_keys is None else list(trusted_keys)
-    if keys:
-        check_signature(directory, raw, keys)
+    raw = check_signer(directory, keys) if keys else _manifest_bytes(Path(directory))
     manifest = read_manifest(directory, raw)
     return VerifiedArtifact(Path(directory), manifest, verify_files(directory, manifest))
 

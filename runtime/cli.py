@@ -37,6 +37,12 @@ def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
                        help="declare a process dead after this long without a heartbeat (100)")
 
 
+def add_trust_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trusted-key", action="append", metavar="FILE",
+                        help="load the artifact only if one of these ed25519 public keys (PEM; repeatable) "
+                             "signed it (default: the keys $MXC_TRUSTED_KEYS names, else no signature needed)")
+
+
 def add_run_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "run", help="train a compiled artifact on the live devices",
@@ -64,6 +70,7 @@ def add_run_parser(subparsers) -> None:
     parser.add_argument("--fallback", action="store_true",
                         help="when the newest checkpoint is corrupt or unreadable, resume from the newest intact "
                              "one (without it the run stops and names the step)")
+    add_trust_arguments(parser)
     add_distributed_arguments(parser)
     parser.set_defaults(func=run_command)
 
@@ -93,6 +100,7 @@ def add_generate_parser(subparsers) -> None:
     parser.add_argument("--params", required=True, metavar="CKPT",
                         help="a --ckpt-dir of mxc run (its newest step), one step of it, or saved parameters")
     add_generation_arguments(parser)
+    add_trust_arguments(parser)
     add_distributed_arguments(parser)
     parser.set_defaults(func=generate_command)
 
@@ -144,9 +152,26 @@ def prepare_cpu_devices(artifact: str, processes: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def _trusted_keys(args) -> list[str]:
+    from mxc.runtime.signing import trusted_keys_from_env
+
+    return args.trusted_key or trusted_keys_from_env()
+
+
+def _check_signer(args) -> None:
+    """With trusted keys, the artifact's signature is checked before anything else of it is read."""
+    from mxc.runtime.artifact_reader import check_signer
+
+    keys = _trusted_keys(args)
+    if keys:
+        check_signer(args.artifact, keys)
+
+
 def _start_processes(args):
     """Joins the multi-process job, if any; before anything touches a device."""
     from mxc.runtime.distributed import initialize, setup_from
+
+    _check_signer(args)
 
     try:
         setup = setup_from(args.coordinator, args.num_processes, args.process_id)
@@ -168,10 +193,10 @@ def _import_in_background(module: str) -> None:
     threading.Thread(target=importlib.import_module, args=(module,), name=f"import {module}", daemon=True).start()
 
 
-def _load(path: str):
+def _load(args):
     from mxc.runtime.program import load
 
-    return load(path)
+    return load(args.artifact, trusted_keys=_trusted_keys(args))
 
 
 def run_command(args) -> int:
@@ -183,7 +208,7 @@ def run_command(args) -> int:
     from mxc.runtime.token_file import open_tokens
     from mxc.runtime.trainable import from_program
 
-    trainable = from_program(_load(args.artifact))
+    trainable = from_program(_load(args))
     data = open_tokens(args.data, eod_id=args.eod_id)
     eval_data = None if args.eval_data is None else open_tokens(args.eval_data, eod_id=args.eod_id)
     primary = jax.process_index() == 0
@@ -236,7 +261,7 @@ def generate_command(args) -> int:
 
     from mxc.runtime.checkpoint import restore_params
     from mxc.runtime.generate import generate, servable_from_program
-    servable = servable_from_program(_load(args.artifact))
+    servable = servable_from_program(_load(args))
     params = restore_params(args.params, servable.abstract_params)
     tokens, report = generate(servable, params, prompts, args.max_new, sampling=sampling, seed=args.seed)
     if jax.process_index() == 0:
