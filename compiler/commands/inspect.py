@@ -13,14 +13,17 @@ from mxc.compiler.commands import UserError
 
 
 def register(subparsers) -> None:
+    from mxc.runtime.cli import add_trust_arguments
+
     parser = subparsers.add_parser(
         "inspect", help="summarise a compiled artifact",
         description="Print the summary of a compiled artifact (functions, memory per device, FLOPs). "
-                    "The format version and every file's sha256 are checked first.")
+                    "The format version and every file's size and sha256 are checked first.")
     parser.add_argument("directory", metavar="DIR")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--check", action="store_true",
                         help="also check that this host's devices and libraries can run it")
+    add_trust_arguments(parser)
     parser.set_defaults(func=handler)
 
 
@@ -31,7 +34,7 @@ def handler(args: argparse.Namespace) -> int:
     from mxc.compiler.commands.artifact_summary import render, summary_json
 
     try:
-        manifest = read_verified(args.directory).manifest
+        manifest = read_verified(args.directory, trusted_keys=args.trusted_key).manifest
         differences = _check_host(manifest) if args.check else None
     except ArtifactError as err:
         raise UserError(str(err)) from None

@@ -86,3 +86,14 @@ def test_generate_refuses_an_unsigned_artifact_before_reading_the_parameters(art
                           env=cpu_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     assert f"mxc: error: {artifact} is not signed" in done.stderr
+
+
+def test_inspect_refuses_an_unsigned_artifact_and_shows_a_signed_one(artifact, keys):
+    (private, public), _ = keys
+    command = [MXC, "inspect", str(artifact), "--json", "--trusted-key", str(public)]
+    done = subprocess.run(command, env=cpu_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and f"mxc: error: {artifact} is not signed" in done.stderr, done.stderr
+    sign_artifact(artifact, private)
+    done = subprocess.run(command, env=cpu_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert '"model": "llama3-tiny"' in done.stdout
