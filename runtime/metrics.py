@@ -14,6 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mxc.runtime.file_modes import give_new_file_mode
+
 
 def model_flops_utilisation(flops_per_step: float | None, step_seconds: float,
                             peak_flops: float | None) -> float | None:
@@ -59,6 +61,7 @@ class MetricsLog:
             if record.get("step", 0) <= step:
                 kept.append(line)
         handle, temp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+        give_new_file_mode(handle)
         with os.fdopen(handle, "w", encoding="utf-8") as f:
             f.write("".join(line + "\n" for line in kept))
         os.replace(temp, self.path)

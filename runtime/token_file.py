@@ -31,6 +31,8 @@ from typing import Iterable
 
 import numpy as np
 
+from mxc.runtime.file_modes import give_new_file_mode
+
 MAGIC = b"MXCTOKS1"
 # Room reserved for the header, which is written again once the streamed token count is known.
 RESERVED_HEADER_BYTES = 512 - len(MAGIC) - 4
@@ -117,7 +119,8 @@ def write_tokens(path: str | os.PathLike, chunks: Iterable[np.ndarray], *, vocab
                  eod_id: int | None, tokenizer: str) -> int:
     """Streams chunks of token ids into an mxc `.bin` file; returns the token count.
 
-    The file appears whole or not at all: it is written beside its destination and renamed."""
+    The file appears whole or not at all: it is written beside its destination and renamed, with
+    the mode the user's umask gives a new file."""
     path = Path(path)
     dtype_name = dtype_for_vocab(vocab_size)
     dtype = DTYPES[dtype_name]
@@ -127,6 +130,7 @@ def write_tokens(path: str | os.PathLike, chunks: Iterable[np.ndarray], *, vocab
     handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     count = 0
     try:
+        give_new_file_mode(handle)  # a token file is data like any other the user writes
         with os.fdopen(handle, "wb") as f:
             f.write(_header_bytes(header, RESERVED_HEADER_BYTES))
             for chunk in chunks:

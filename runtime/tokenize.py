@@ -12,7 +12,6 @@ document, so a model needs a vocabulary of at least 257 (llama3-tiny has 512).
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,12 +116,6 @@ def token_chunks(tokenizer: Tokenizer, inputs: Iterable[Path], split: str, text_
             yield np.asarray([*tokenizer.encode(document), tokenizer.eod_id], np.int64)
 
 
-def _current_umask() -> int:
-    mask = os.umask(0)  # the only way to read it is to set it; put it straight back
-    os.umask(mask)
-    return mask
-
-
 def tokenize_files(inputs: list[str], output: str, *, tokenizer: Tokenizer, split: str = "file",
                    text_key: str = "text") -> dict:
     """Writes `output` (mxc .bin); returns {tokens, documents, vocab_size, eod_id, tokenizer}."""
@@ -133,8 +126,5 @@ def tokenize_files(inputs: list[str], output: str, *, tokenizer: Tokenizer, spli
     counts: dict = {}
     tokens = write_tokens(output, token_chunks(tokenizer, paths, split, text_key, counts),
                           vocab_size=tokenizer.vocab_size, eod_id=tokenizer.eod_id, tokenizer=tokenizer.name)
-    # write_tokens stages the file with mkstemp (mode 0600); a token file is data like any other
-    # the user writes, so it gets the mode their umask gives a new file (0644 under umask 022).
-    os.chmod(output, 0o666 & ~_current_umask())
     return {"tokens": tokens, "documents": counts.get("documents", 0), "vocab_size": tokenizer.vocab_size,
             "eod_id": tokenizer.eod_id, "tokenizer": tokenizer.name}
