@@ -11,6 +11,13 @@ saves, waits for the save and returns normally, so the process exits 0. With sev
 they must agree on the step to stop at: jax's preemption sync point does that (jax.distributed
 notices SIGTERM itself; SIGINT is turned into a SIGTERM to reach the same path).
 
+A failed save (disk full, a file too large) stops the run at the next step boundary with a
+SaveError naming the step and folder; the steps saved before it stay intact.
+
+Resuming refuses a checkpoint trained with another spec (read from the step's meta before its
+arrays); --init-from refuses only parameters of other shapes, since fine-tuning starts from
+another run's parameters by design.
+
 A non-finite loss or gradient norm stops the run without saving: a checkpoint is only taken
 once the loss and gradient norm of every step up to it were seen to be finite, so the newest
 checkpoint is the last state known to be good.
@@ -30,7 +37,7 @@ import jax
 import numpy as np
 
 from mxc.runtime.artifact import ArtifactError
-from mxc.runtime.checkpoint import CheckpointError, Checkpoints, restore_params
+from mxc.runtime.checkpoint import CheckpointError, Checkpoints, SpecMismatchError, restore_params
 from mxc.runtime.data import TrainData, eval_batches
 from mxc.runtime.metrics import MetricsLog, ProgressDisplay, model_flops_utilisation
 from mxc.runtime.token_file import TokenFile
@@ -116,11 +123,15 @@ class TrainingRun:
                  metrics_path=None, eval_data: TokenFile | None = None, init_from=None, primary: bool = True):
         self.trainable, self.checkpoints, self.config = trainable, checkpoints, config
         self.primary = primary
-        self.data = TrainData(data, trainable.layout, seed=config.seed, vocab_size=trainable.vocab_size)
-        self.eval_data = eval_data
-        if eval_data is not None and trainable.eval_step is None:
-            raise ArtifactError("--eval-data needs an artifact with an eval_step function")
-        self.state, self.first_step = self._start(init_from)
+        try:
+            self.data = TrainData(data, trainable.layout, seed=config.seed, vocab_size=trainable.vocab_size)
+            self.eval_data = eval_data
+            if eval_data is not None and trainable.eval_step is None:
+                raise ArtifactError("--eval-data needs an artifact with an eval_step function")
+            self.state, self.first_step = self._start(init_from)
+        except BaseException:
+            checkpoints.close()  # releases the lock and removes a folder it created for nothing
+            raise
         self.metrics = MetricsLog(metrics_path if primary else None,
                                   resume_after_step=self.first_step if self.first_step else None)
         self.progress = ProgressDisplay(config.steps, self.first_step, enabled=primary and config.progress,
@@ -132,7 +143,10 @@ class TrainingRun:
         for step in steps:
             try:
                 params, optimizer, meta = self.checkpoints.restore(
-                    step, params_target=abstract["params"], optimizer_target=_optimizer_item(abstract))
+                    step, params_target=abstract["params"], optimizer_target=_optimizer_item(abstract),
+                    identity=self.trainable.identity)
+            except SpecMismatchError:
+                raise  # another model: no older step of this folder fits either
             except CheckpointError as err:
                 # Never from a corrupt step; from an older intact one only when the user said so.
                 if not self.config.fallback:
@@ -146,7 +160,7 @@ class TrainingRun:
             raise CheckpointError(f"no intact checkpoint in {self.checkpoints.directory} (steps {steps} are all corrupt)")
         state = self.trainable.init(self.config.seed)
         if init_from is not None:
-            state = {**state, "params": restore_params(init_from, abstract["params"])}
+            state = {**state, "params": restore_params(init_from, abstract["params"], identity=self.trainable.identity, same_spec=False)}
         return state, 0
 
     def _say(self, text: str) -> None:
@@ -213,6 +227,7 @@ class TrainingRun:
                 last_time = now
 
         while step < config.steps:
+            self.checkpoints.check_saves()  # a background save that failed stops the run here
             batch = self.data.next_batch()
             self.state, metrics = self.trainable.train_step(self.state, batch)
             step += 1

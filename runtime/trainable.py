@@ -83,5 +83,11 @@ def from_program(program) -> Trainable:
         vocab_size=manifest.spec.get("vocab"),
         flops_per_step=None if estimate is None else estimate.train_flops_per_step,
         peak_flops=None if estimate is None else estimate.peak_flops_per_device * manifest.topology.devices,
-        identity={"model": manifest.model, "spec_hash": manifest.spec_hash, "topology": manifest.topology.name,
-                  "mesh": dict(manifest.topology.mesh)})
+        identity=artifact_identity(manifest))
+
+
+def artifact_identity(manifest) -> dict:
+    """What a checkpoint records of the artifact that trained it: model, spec hash, topology.
+    Restoring compares the spec hash (runtime.checkpoint.check_same_spec)."""
+    return {"model": manifest.model, "spec_hash": manifest.spec_hash, "topology": manifest.topology.name,
+            "mesh": dict(manifest.topology.mesh)}
