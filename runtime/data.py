@@ -138,6 +138,7 @@ class TrainData:
         self.layout = layout
         self.sequences = PackedSequences(tokens, layout.seq, vocab_size=vocab_size)
         self.seed = seed
+        _ = tokens.fingerprint  # computed now (for a .npy), before any step, not at the first save
         self.order = ShuffledOrder(self.sequences.count, seed)
         self.consumed = 0  # windows handed out so far, over all epochs
 
@@ -153,16 +154,23 @@ class TrainData:
     def position(self) -> dict:
         """What the checkpoint keeps: enough to hand out exactly the same windows next."""
         return {"consumed": self.consumed, "seed": self.seed, "windows": self.sequences.count,
-                "seq": self.layout.seq, "tokens": len(self.sequences.tokens)}
+                "seq": self.layout.seq, "tokens": len(self.sequences.tokens),
+                "fingerprint": self.sequences.tokens.fingerprint}
 
     def restore(self, position: dict) -> None:
         """Continues from a saved position; refuses one taken on other data, where it would
-        silently hand out other windows."""
+        silently hand out other windows. A position without a fingerprint (saved before
+        checkpoints recorded one) is checked on its sizes alone."""
         ours = self.position()
+        path = self.sequences.tokens.path
         for key in ("windows", "seq", "tokens"):
             if position.get(key) != ours[key]:
                 raise DataError(f"the checkpoint's data position was taken on other data: {key} "
-                                f"{position.get(key)} there, {ours[key]} here ({self.sequences.tokens.path})")
+                                f"{position.get(key)} there, {ours[key]} here ({path})")
+        if position.get("fingerprint") is not None and position["fingerprint"] != ours["fingerprint"]:
+            raise DataError(f"{path}: the checkpoint was trained on other data of the same length "
+                            f"(content fingerprint {position['fingerprint'][:12]}… there, "
+                            f"{ours['fingerprint'][:12]}… here)")
         self.seed = int(position["seed"])
         self.order = ShuffledOrder(self.sequences.count, self.seed)
         self.consumed = int(position["consumed"])

@@ -12,20 +12,30 @@ Two formats are read:
                      tokens start at byte 512, aligned for any reader; readers accept any n):
                        {"dtype": "uint16" | "uint32", "tokens": <count>,
                         "eod_id": <int> | null, "vocab_size": <int> | null,
-                        "tokenizer": "<what made the ids, e.g. bytes or a file name>"}
+                        "tokenizer": "<what made the ids, e.g. bytes or a file name>",
+                        "fingerprint": "<sha256 hex of the ids>"}
       bytes 12 + n.. the tokens, little-endian, `tokens` of them and nothing after
 
 A document ends with `eod_id`; the packer (data.py) uses it to keep the loss from crossing
 documents. uint16 holds vocabularies up to 65,536 ids, uint32 the rest.
+
+Fingerprint. A file's content is named by the sha256 of its ids written as little-endian int64,
+so the same ids have one fingerprint whether a .bin holds them as uint16 or a .npy as int32. A
+checkpoint records it, and a resume on other data of the same length is refused. `mxc tokenize`
+writes it into the header as it streams the tokens; for a .npy, or a .bin written before the
+header had it, it is computed (block by block, never the whole file in memory) the first time
+it is asked for.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
 import tempfile
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Iterable
 
@@ -37,6 +47,8 @@ MAGIC = b"MXCTOKS1"
 # Room reserved for the header, which is written again once the streamed token count is known.
 RESERVED_HEADER_BYTES = 512 - len(MAGIC) - 4
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+FINGERPRINT_DTYPE = np.dtype("<i8")
+FINGERPRINT_BLOCK_TOKENS = 1 << 22  # 32 MiB as int64 per block while hashing
 
 
 class TokenFileError(ValueError):
@@ -50,9 +62,24 @@ class TokenFile:
     eod_id: int | None
     vocab_size: int | None
     tokenizer: str | None
+    recorded_fingerprint: str | None = None  # from the header, where mxc tokenize wrote one
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """sha256 hex of the ids as little-endian int64: the header's, else computed once here."""
+        if self.recorded_fingerprint is not None:
+            return self.recorded_fingerprint
+        digest = hashlib.sha256()
+        for start in range(0, len(self), FINGERPRINT_BLOCK_TOKENS):
+            digest.update(_fingerprint_bytes(self.tokens[start:start + FINGERPRINT_BLOCK_TOKENS]))
+        return digest.hexdigest()
+
+
+def _fingerprint_bytes(ids: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(ids, dtype=FINGERPRINT_DTYPE)).cast("B")
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
@@ -83,8 +110,12 @@ def open_tokens(path: str | os.PathLike, *, eod_id: int | None = None) -> TokenF
                              f"but the file has {actual} bytes; it is truncated or was not written by mxc")
     tokens = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,)) if count \
         else np.zeros((0,), dtype)
+    recorded = header.get("fingerprint")
+    if recorded is not None and not (isinstance(recorded, str) and len(recorded) == 64
+                                     and all(c in "0123456789abcdef" for c in recorded)):
+        raise TokenFileError(f"{path}: header fingerprint {recorded!r} is not a sha256 hex digest")
     return TokenFile(path, tokens, header.get("eod_id") if eod_id is None else eod_id,
-                     header.get("vocab_size"), header.get("tokenizer"))
+                     header.get("vocab_size"), header.get("tokenizer"), recorded)
 
 
 def _read_header(path: Path) -> tuple[dict, int]:
@@ -129,6 +160,7 @@ def write_tokens(path: str | os.PathLike, chunks: Iterable[np.ndarray], *, vocab
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     count = 0
+    digest = hashlib.sha256()
     try:
         give_new_file_mode(handle)  # a token file is data like any other the user writes
         with os.fdopen(handle, "wb") as f:
@@ -139,9 +171,11 @@ def write_tokens(path: str | os.PathLike, chunks: Iterable[np.ndarray], *, vocab
                     raise TokenFileError(f"token ids must lie in [0, {vocab_size}), "
                                          f"found {chunk.min()}..{chunk.max()}")
                 f.write(chunk.astype(dtype, copy=False).tobytes())
+                digest.update(_fingerprint_bytes(chunk.ravel()))
                 count += chunk.size
             f.seek(0)
-            f.write(_header_bytes({**header, "tokens": count}, RESERVED_HEADER_BYTES))
+            f.write(_header_bytes({**header, "tokens": count, "fingerprint": digest.hexdigest()},
+                                  RESERVED_HEADER_BYTES))
         os.replace(temp, path)
     except BaseException:
         os.unlink(temp)

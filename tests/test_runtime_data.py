@@ -220,3 +220,82 @@ def test_eval_batches_are_the_same_every_time(tmp_path):
     np.testing.assert_array_equal(first[0]["inputs"][0], np.arange(8))  # file order
     for a, b in zip(first, second):
         np.testing.assert_array_equal(a["targets"], b["targets"])
+
+
+# ------------------------------------------------------------------ content fingerprint
+
+def _reference_fingerprint(ids) -> str:
+    """Written out here from the definition: sha256 of the ids as little-endian int64."""
+    import hashlib
+    return hashlib.sha256(b"".join(int(i).to_bytes(8, "little", signed=True) for i in ids)).hexdigest()
+
+
+def _header(path):
+    raw = path.read_bytes()
+    return json.loads(raw[12:12 + int.from_bytes(raw[8:12], "little")])
+
+
+def test_tokenize_records_the_fingerprint_of_the_ids_in_the_header(tmp_path):
+    (tmp_path / "a.txt").write_text("héllo")
+    tokenize_files([str(tmp_path / "a.txt")], str(tmp_path / "t.bin"), tokenizer=byte_tokenizer())
+    expected = _reference_fingerprint([*"héllo".encode("utf-8"), BYTE_EOD_ID])
+    assert _header(tmp_path / "t.bin")["fingerprint"] == expected
+    assert open_tokens(tmp_path / "t.bin").fingerprint == expected
+
+
+def test_the_same_ids_have_one_fingerprint_whatever_file_holds_them(tmp_path, monkeypatch):
+    import mxc.runtime.token_file as token_file
+    ids = (np.arange(1000) * 7919) % 700
+    monkeypatch.setattr(token_file, "FINGERPRINT_BLOCK_TOKENS", 64)  # many blocks, a short last one
+    np.save(tmp_path / "a.npy", ids.astype(np.int32))
+    np.save(tmp_path / "b.npy", ids.astype(">u8"))  # big-endian in the file
+    fingerprints = {open_tokens(tmp_path / "a.npy").fingerprint, open_tokens(tmp_path / "b.npy").fingerprint,
+                    _write(tmp_path / "c.bin", ids, vocab_size=700).fingerprint}
+    assert fingerprints == {_reference_fingerprint(ids)}
+
+
+def test_a_token_file_written_before_fingerprints_still_opens_and_gets_one(tmp_path):
+    ids = np.arange(300) % 50
+    _write(tmp_path / "new.bin", ids)
+    header = {key: value for key, value in _header(tmp_path / "new.bin").items() if key != "fingerprint"}
+    text = json.dumps(header).encode()
+    (tmp_path / "old.bin").write_bytes(MAGIC + len(text).to_bytes(4, "little") + text
+                                       + ids.astype("<u2").tobytes())
+    assert open_tokens(tmp_path / "old.bin").fingerprint == _reference_fingerprint(ids)
+
+
+def test_a_position_from_other_data_of_the_same_length_is_refused_naming_the_file(tmp_path):
+    layout = _layout()
+    data = TrainData(_write(tmp_path / "a.bin", np.arange(200) % 50), layout, seed=0)
+    other = TrainData(_write(tmp_path / "b.bin", (np.arange(200) + 1) % 50), layout, seed=0)
+    position = json.loads(json.dumps(data.position()))
+    assert position["fingerprint"] == _reference_fingerprint(np.arange(200) % 50)
+    with pytest.raises(DataError, match=r"b\.bin.*other data.*fingerprint"):
+        other.restore(position)
+    same = TrainData(open_tokens(tmp_path / "a.bin"), layout, seed=0)
+    same.restore(position)
+    assert same.consumed == data.consumed
+
+
+def test_a_position_saved_before_fingerprints_is_accepted(tmp_path):
+    layout = _layout()
+    data = TrainData(_write(tmp_path / "a.bin", np.arange(200) % 50), layout, seed=3)
+    data.next_batch()
+    older = {key: value for key, value in data.position().items() if key != "fingerprint"}
+    resumed = TrainData(_write(tmp_path / "b.bin", np.arange(200) % 50), layout, seed=0)
+    resumed.restore(older)
+    assert (resumed.consumed, resumed.seed) == (4, 3)
+
+
+def test_a_run_resumed_on_other_data_of_the_same_length_stops_before_any_step(tmp_path):
+    from test_runtime_loop import VOCAB, _bigram_trainable, _run
+
+    from mxc.runtime.loop import LoopConfig
+    stream = np.arange(2000) % (VOCAB - 1)
+    first = _write(tmp_path / "a.bin", stream, eod_id=VOCAB - 1, vocab_size=VOCAB)
+    _run(_bigram_trainable(), first, tmp_path / "ckpt", LoopConfig(steps=3, save_every=3, progress=False))
+    shuffled = _write(tmp_path / "b.bin", np.random.default_rng(0).permutation(stream), eod_id=VOCAB - 1,
+                      vocab_size=VOCAB)
+    with pytest.raises(DataError, match=r"b\.bin: the checkpoint was trained on other data of the same length"):
+        _run(_bigram_trainable(), shuffled, tmp_path / "ckpt", LoopConfig(steps=6, save_every=3, progress=False))
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit()) == ["3"]
