@@ -17,41 +17,31 @@ from pathlib import Path
 PYTHON = sys.executable
 MXC = str(Path(sys.executable).with_name("mxc"))
 
-# ~110M parameters: GPT-2-small-sized Llama (tied 32k embedding, 12 layers of d_model 768).
-LLAMA_100M = """
-model bench-llama-100m {
+def _bench_llama(name: str, d_model: int, heads: int, head_dim: int, hidden: int) -> str:
+    """A Llama 3-shaped bench model: tied 32k embedding, 12 layers, GQA with 4 KV heads."""
+    return f"""
+model {name} {{
   vocab = 32000
-  d_model = 768
+  d_model = {d_model}
   max_seq = 2048
   embedding = embedding(tied = true)
   final_norm = rmsnorm(eps = 1e-5)
   param_dtype = float32
   compute_dtype = float32
-  block x 12 {
-    attention = gqa(heads = 12, kv_heads = 4, head_dim = 64, rope = rope(theta = 500000))
-    mlp = glu(hidden = 2048, act = silu)
+  block x 12 {{
+    attention = gqa(heads = {heads}, kv_heads = 4, head_dim = {head_dim}, rope = rope(theta = 500000))
+    mlp = glu(hidden = {hidden}, act = silu)
     norm = rmsnorm(eps = 1e-5)
-  }
-}
+  }}
+}}
 """
 
-# ~20M parameters: a small Llama 3 (tied 32k embedding, 12 layers of d_model 256).
-LLAMA_20M = """
-model bench-llama-20m {
-  vocab = 32000
-  d_model = 256
-  max_seq = 2048
-  embedding = embedding(tied = true)
-  final_norm = rmsnorm(eps = 1e-5)
-  param_dtype = float32
-  compute_dtype = float32
-  block x 12 {
-    attention = gqa(heads = 8, kv_heads = 4, head_dim = 32, rope = rope(theta = 500000))
-    mlp = glu(hidden = 1024, act = silu)
-    norm = rmsnorm(eps = 1e-5)
-  }
-}
-"""
+
+# ~110M parameters: GPT-2-small-sized Llama (d_model 768).
+LLAMA_100M = _bench_llama("bench-llama-100m", d_model=768, heads=12, head_dim=64, hidden=2048)
+
+# ~20M parameters: a small Llama 3 (d_model 256).
+LLAMA_20M = _bench_llama("bench-llama-20m", d_model=256, heads=8, head_dim=32, hidden=1024)
 
 
 def cpu_env(**extra: str) -> dict:

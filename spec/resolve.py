@@ -433,26 +433,35 @@ def _pydantic_diagnostic(e: dict, res: Resolved, tree: dict, model_loc: Loc,
     return Diagnostic(loc, f"'{dotted}': {message}")
 
 
+_NO_CHILD = object()
+
+
+def _child(node, k):
+    """node[k] where the tree holds it; else _NO_CHILD (pydantic's error paths also name a
+    union member's kind, a step that stays on the same node)."""
+    if isinstance(node, dict) and k in node:
+        return node[k]
+    if isinstance(node, list) and isinstance(k, int) and k < len(node):
+        return node[k]
+    return _NO_CHILD
+
+
 def _is_tag(tree: dict, path: tuple, key) -> bool:
     node = tree
     for k in path:
-        if isinstance(node, dict) and k in node:
-            node = node[k]
-        elif isinstance(node, list) and isinstance(k, int) and k < len(node):
-            node = node[k]
-        elif isinstance(node, dict) and node.get("kind") == k:
-            if k == key:
-                return True
+        child = _child(node, k)
+        if child is not _NO_CHILD:
+            node = child
+        elif k == key and isinstance(node, dict) and node.get("kind") == k:
+            return True
     return False
 
 
 def _owner_name(tree: dict, path: tuple) -> str | None:
     node = tree
     for k in path:
-        if isinstance(node, dict) and k in node:
-            node = node[k]
-        elif isinstance(node, list) and isinstance(k, int) and k < len(node):
-            node = node[k]
+        child = _child(node, k)
+        node = node if child is _NO_CHILD else child
     if isinstance(node, dict) and "kind" in node:
         return f"{node['kind']}(...)"
     return None

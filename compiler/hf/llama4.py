@@ -22,9 +22,8 @@ import numpy as np
 from mxc.compiler.hf.config_in import ConfigError, _activation, config_dtype, rope_from_config, segments
 from mxc.compiler.hf.config_out import HF_ACTIVATIONS, check_round_trip, rope_parameters
 from mxc.compiler.hf.families import FamilyConverter, attention_class, block_names
-from mxc.compiler.hf.mapping import (FusedTensorMap, LayoutError, _same, _transpose, attention_maps, layer_entry,
-                                     norm_maps, top_level_maps)
-from mxc.compiler.lower.params import layer_slots
+from mxc.compiler.hf.decoder_maps import decoder_maps
+from mxc.compiler.hf.mapping import FusedTensorMap, LayoutError, _same, _transpose
 from mxc.spec.ir import GLU, MLA, Block, Embedding, ModelSpec, MoE, RMSNorm, Router, TemperatureTuning
 
 ARCHITECTURES = {"llama4_text": "Llama4ForCausalLM"}
@@ -152,29 +151,26 @@ def _concatenate(parts: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     return np.concatenate(parts, axis=-1)
 
 
+def _feed_forward_maps(entry, ffn, where: str) -> Iterator:
+    if isinstance(ffn, MoE):
+        if ffn.shared_experts != 1 or not isinstance(ffn.expert, GLU) or ffn.expert.bias:
+            raise LayoutError(f"block '{where}': Llama 4 experts are bias-free GLUs with one shared expert")
+        yield entry("feed_forward.router.weight", ("mlp", "router", "kernel"), (_transpose, _transpose))
+        experts = entry.base + ("mlp", "experts")
+        yield FusedTensorMap(entry.hf_prefix + "feed_forward.experts.gate_up_proj",
+                             (experts + ("gate", "kernel"), experts + ("up", "kernel")), entry.repeat,
+                             _split_halves, _concatenate)
+        yield entry("feed_forward.experts.down_proj", ("mlp", "experts", "down", "kernel"), (_same, _same))
+        for proj in ("gate", "up", "down"):
+            yield entry(f"feed_forward.shared_expert.{proj}_proj.weight", ("mlp", "shared", proj, "kernel"),
+                        (_transpose, _transpose))
+    else:
+        for proj in ("gate", "up", "down"):
+            yield entry(f"feed_forward.{proj}_proj.weight", ("mlp", proj, "kernel"), (_transpose, _transpose))
+
+
 def tensor_maps(spec: ModelSpec) -> Iterator:
-    yield from top_level_maps(spec)
-    for slot in layer_slots(spec):
-        block = spec.blocks[slot.block]
-        entry = layer_entry(slot)
-        yield from norm_maps(entry, block, slot.block)
-        yield from attention_maps(entry, block.attention, slot.block)
-        ffn = block.mlp
-        if isinstance(ffn, MoE):
-            if ffn.shared_experts != 1 or not isinstance(ffn.expert, GLU) or ffn.expert.bias:
-                raise LayoutError(f"block '{slot.block}': Llama 4 experts are bias-free GLUs with one shared expert")
-            yield entry("feed_forward.router.weight", ("mlp", "router", "kernel"), (_transpose, _transpose))
-            experts = entry.base + ("mlp", "experts")
-            yield FusedTensorMap(entry.hf_prefix + "feed_forward.experts.gate_up_proj",
-                                 (experts + ("gate", "kernel"), experts + ("up", "kernel")), entry.repeat,
-                                 _split_halves, _concatenate)
-            yield entry("feed_forward.experts.down_proj", ("mlp", "experts", "down", "kernel"), (_same, _same))
-            for proj in ("gate", "up", "down"):
-                yield entry(f"feed_forward.shared_expert.{proj}_proj.weight", ("mlp", "shared", proj, "kernel"),
-                            (_transpose, _transpose))
-        else:
-            for proj in ("gate", "up", "down"):
-                yield entry(f"feed_forward.{proj}_proj.weight", ("mlp", proj, "kernel"), (_transpose, _transpose))
+    return decoder_maps(spec, _feed_forward_maps)
 
 
 CONVERTER = FamilyConverter(model_types=("llama4_text",), architectures=ARCHITECTURES,

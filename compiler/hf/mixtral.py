@@ -14,9 +14,8 @@ from mxc.compiler.hf.config_in import (FULL, SLIDING, ConfigError, block_from_co
                                        _activation)
 from mxc.compiler.hf.config_out import HF_ACTIVATIONS, check_round_trip, rope_parameters
 from mxc.compiler.hf.families import FamilyConverter, block_names
-from mxc.compiler.hf.mapping import (LayoutError, _transpose, attention_maps, layer_entry, norm_maps,
-                                     top_level_maps)
-from mxc.compiler.lower.params import layer_slots
+from mxc.compiler.hf.decoder_maps import decoder_maps
+from mxc.compiler.hf.mapping import LayoutError, _transpose
 from mxc.spec.ir import GLU, MLA, Embedding, ModelSpec, MoE, RMSNorm, Router
 
 # model_type -> the config_in family whose attention it shares, the MoE module's name in the
@@ -128,13 +127,8 @@ def config_from_spec(spec: ModelSpec) -> dict:
 
 def tensor_maps(spec: ModelSpec) -> Iterator:
     _, module, names = LAYOUT[_kind(spec)]
-    yield from top_level_maps(spec)
-    for slot in layer_slots(spec):
-        block = spec.blocks[slot.block]
-        entry = layer_entry(slot)
-        yield from norm_maps(entry, block, slot.block)
-        yield from attention_maps(entry, block.attention, slot.block)
-        ffn = block.mlp
+
+    def feed_forward_maps(entry, ffn, where: str) -> Iterator:
         if isinstance(ffn, MoE):
             yield entry(f"{module}.gate.weight", ("mlp", "router", "kernel"), (_transpose, _transpose))
             for expert in range(ffn.experts):
@@ -144,6 +138,8 @@ def tensor_maps(spec: ModelSpec) -> Iterator:
         else:
             for proj in ("gate", "up", "down"):
                 yield entry(f"mlp.{proj}_proj.weight", ("mlp", proj, "kernel"), (_transpose, _transpose))
+
+    return decoder_maps(spec, feed_forward_maps)
 
 
 CONVERTER = FamilyConverter(model_types=tuple(LAYOUT), architectures=ARCHITECTURES,
