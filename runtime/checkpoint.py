@@ -158,6 +158,7 @@ class Checkpoints:
                     raise
                 # already reported (and raised) at the step boundary that saw it
             self._manager.close()
+            self._scrub_commit_markers()  # closing may finish the newest step's commit
         finally:
             if self._lock is not None:
                 self._lock.close()  # closing the file releases the flock
