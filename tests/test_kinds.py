@@ -44,7 +44,8 @@ model tiny {
 
 
 class SharedKV(GQA):
-    """Keys serve as values too: one "kv" projection instead of "k" and "v"."""
+    """Keys serve as values too: one "kv" projection instead of "k" and "v" (position-free keys
+    only: a rotated key could not be a value)."""
 
     kind: Literal["shared_kv"] = "shared_kv"
 
@@ -55,8 +56,8 @@ class SharedKVKind(AttentionKind):
     ir_classes = (SharedKV,)
 
     def check(self, att, at, report):
-        if att.qkv_bias:
-            report(at + ("qkv_bias",), "shared_kv attention takes no qkv_bias")
+        if att.rope is not None:
+            report(at + ("rope",), "shared_kv attention takes rope = none")
 
     def param_defs(self, att, d_model):
         defs = HEAD_ATTENTION.param_defs(att, d_model)
@@ -116,15 +117,18 @@ def _random_params(spec):
 # warns when the plan hashes the spec; it then serialises the node field by field.
 @pytest.mark.filterwarnings("ignore:Pydantic serializer warnings")
 def test_a_kind_registered_outside_the_compiler_serves_validation_counts_params_and_apply(shared_kv):
-    base = load_text(TINY)["tiny"]
+    base = _with_attention(load_text(TINY)["tiny"], GQA, rope=None)
     spec = _with_attention(base, SharedKV)
     att = spec.blocks["b"].attention
     assert kind_of(att).__class__ is SharedKVKind
 
     problems = []
-    validate(_with_attention(base, SharedKV, qkv_bias=True), lambda path, message, hint=None:
+    validate(_with_attention(load_text(TINY)["tiny"], SharedKV), lambda path, message, hint=None:
              problems.append((path, message)))
-    assert problems == [(("blocks", "b", "attention", "qkv_bias"), "shared_kv attention takes no qkv_bias")]
+    assert problems == [(("blocks", "b", "attention", "rope"), "shared_kv attention takes rope = none")]
+    problems.clear()
+    validate(spec, lambda path, message, hint=None: problems.append((path, message)))
+    assert problems == []
 
     # Counts: the base model less one [d_model, kv_heads, head_dim] projection per layer.
     v_weights = spec.d_model * att.kv_heads * att.head_dim
@@ -198,3 +202,22 @@ def test_the_lowering_refuses_a_mixture_of_experts_with_the_message_validation_r
     with pytest.raises(UnsupportedError) as refused:
         moe_defs(moe, 32)
     assert str(refused.value) == problems[0][1]
+
+
+def test_a_registered_kind_states_its_kv_cache(shared_kv):
+    """Prefill and decode run on the cache entries the kind states (one "kv" array), and give the
+    full forward pass's logits."""
+    from mxc.compiler.lower.decode import cache_axes, decode_step, init_cache, prefill
+
+    spec = _with_attention(load_text(TINY)["tiny"], SharedKV, rope=None)
+    params = _random_params(spec)
+    cache = init_cache(spec, 2, 12)
+    assert set(cache["segments"][0][0]) == {"kv"}
+    assert cache_axes(spec)["segments"][0][0] == {"kv": ("layers", *CACHE_AXES)}
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, spec.vocab, (2, 9)), jnp.int32)
+    full, _ = forward(spec, params, tokens)
+    last, cache = prefill(spec, params, tokens[:, :6], cache)
+    np.testing.assert_allclose(last, full[:, 5], rtol=1e-5, atol=1e-5)
+    for i in range(6, 9):
+        logits, cache = decode_step(spec, params, tokens[:, i], cache)
+        np.testing.assert_allclose(logits, full[:, i], rtol=1e-5, atol=1e-5)

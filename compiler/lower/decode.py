@@ -9,7 +9,8 @@ The cache is a pytree shaped like the layer stack:
      "segments": [[{"k": [layers, batch, cache_seq, kv_heads, head_dim], "v": ...}  # per period block
                    ...] ...]}                                                       # per segment
 
-An MLA block caches its compressed latent instead of keys and values:
+Each attention kind states its entries (mxc.compiler.kinds); an MLA block caches its compressed
+latent instead of keys and values:
 {"latent": [layers, batch, cache_seq, kv_lora], "k_rope": [layers, batch, cache_seq, rope]}.
 
 Prefill and decode are model.forward with a cache: no second attention implementation.
@@ -22,20 +23,15 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from mxc.compiler.kinds import kind_of
 from mxc.compiler.lower.attention_core import EMPTY_SLOT
-from mxc.compiler.lower.mla import latent_cache_entries
 from mxc.compiler.lower.model import forward
-from mxc.spec.ir import MLA, ModelSpec
-
-CACHE_KV_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+from mxc.spec.ir import ModelSpec
 
 
 def _layer_cache_entries(att, batch: int, length: int) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-    """One layer's cache arrays, unstacked: name -> (shape, logical axes)."""
-    if isinstance(att, MLA):
-        return latent_cache_entries(att, batch, length)
-    shape = (batch, length, att.kv_heads, att.head_dim)
-    return {"k": (shape, CACHE_KV_AXES[1:]), "v": (shape, CACHE_KV_AXES[1:])}
+    """One layer's cache arrays, unstacked: name -> (shape, logical axes), as its kind states them."""
+    return kind_of(att).cache_entries(att, batch, length)
 
 
 def init_cache(spec: ModelSpec, batch: int, length: int, dtype=None) -> dict:

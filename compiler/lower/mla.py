@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from mxc.compiler.kinds.mla import latent_cache_entries  # noqa: F401  (the cache layout; decode reads it here)
 from mxc.compiler.lower.attention_core import attend
 from mxc.compiler.lower.norms import apply_norm
 from mxc.compiler.lower.rope import apply_rope, rope_angles, softmax_scale_correction
