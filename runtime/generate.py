@@ -7,9 +7,11 @@ The functions have fixed sizes: `batch` rows, a prefill of `prompt_len` tokens a
 copies of its first row, whose outputs are dropped). Prompts may be shorter than `prompt_len` and
 of different lengths: a prompt array marks the end of a shorter row with PAD (-1) ids after its
 tokens. Each row is right-padded to `prompt_len`, prefilled, and goes on from its own last token
-(the prefill's lengths argument; see compiler/lower/decode.py). Every row uses prompt_len slots
-for its prompt and one per new token after the first, so prompt_len + max_new - 1 must fit the
-cache; a prompt longer than prompt_len, or an empty one, is refused.
+(the prefill's lengths argument; see compiler/lower/decode.py). A row longer than `prompt_len`
+has its first prompt_len tokens prefilled and the rest fed through decode steps, one per step,
+while shorter rows of its group already generate. The cache takes prompt_len slots and then one
+per decode step, so max(longest prompt, prompt_len) + max_new - 1 must fit; an empty prompt is
+refused.
 
 Timings follow serving benchmarks: time to first token (request start to the first new token
 on the host, prefill included) and, per user, the decode rate after that (each row of a group
@@ -92,14 +94,10 @@ def prompt_lengths(servable: Servable, prompts: np.ndarray, max_new: int) -> np.
         raise GenerationError(f"prompt row {empty[0]} is empty: every prompt needs at least one token")
     if prompts.size and (prompts[real].min() < 0 or prompts[real].max() >= servable.vocab_size):
         raise GenerationError(f"prompt ids must lie in [0, {servable.vocab_size}) ({PAD} pads a shorter row)")
-    longest = int(lengths.max(initial=0))
-    if longest > servable.prompt_len:
-        raise GenerationError(f"a prompt of {longest} tokens is longer than the compiled prefill "
-                              f"({servable.prompt_len} tokens); compile with a --prompt-len of at least {longest}")
-    if servable.prompt_len + max_new - 1 > servable.cache_len:
-        raise GenerationError(f"{servable.prompt_len} prompt slots + {max_new} new tokens need a cache of "
-                              f"{servable.prompt_len + max_new - 1} slots; the compiled cache holds "
-                              f"{servable.cache_len}")
+    slots = max(int(lengths.max(initial=0)), servable.prompt_len)
+    if slots + max_new - 1 > servable.cache_len:
+        raise GenerationError(f"{slots} prompt slots + {max_new} new tokens need a cache of "
+                              f"{slots + max_new - 1} slots; the compiled cache holds {servable.cache_len}")
     return lengths
 
 
@@ -115,9 +113,10 @@ def generate(servable: Servable, params, prompts: np.ndarray, max_new: int, *,
     max_new new tokens per row, [requests, width + max_new]; timings)."""
     lengths = prompt_lengths(servable, prompts, max_new)
     requests, width = prompts.shape
-    padded = np.zeros((requests, servable.prompt_len), np.int32)
-    for row, length in enumerate(lengths):
-        padded[row, :length] = prompts[row, :length]
+    prompt_len = servable.prompt_len
+    prefilled = np.minimum(lengths, prompt_len).astype(np.int32)
+    padded = np.zeros((requests, max(width, prompt_len)), np.int32)
+    padded[:, :width] = np.where(prompts == PAD, 0, prompts)
     started = time.perf_counter()
     outputs, first_token_times, decode_seconds = [], [], 0.0
     groups = -(-requests // servable.batch)
@@ -126,18 +125,29 @@ def generate(servable: Servable, params, prompts: np.ndarray, max_new: int, *,
         fill = servable.batch - (end - first)
         rows = np.concatenate([np.arange(first, end), np.full(fill, first)])  # request served by each row
         group_started = time.perf_counter()
-        logits, cache = servable.prefill(params, padded[rows], lengths[rows].astype(np.int32))
-        new = []
-        token = next_tokens(logits, seed, rows, 0, sampling=sampling)
-        new.append(_host(token))  # waiting here bounds the steps in flight, too
-        first_at = time.perf_counter()
-        first_token_times.append(first_at - group_started)
-        for index in range(1, max_new):
-            logits, cache = servable.decode(params, token, cache)
-            token = next_tokens(logits, seed, rows, index, sampling=sampling)
-            new.append(_host(token))
+        logits, cache = servable.prefill(params, padded[rows, :prompt_len], prefilled[rows])
+        fed, length = prefilled[rows].copy(), lengths[rows]
+        new = np.zeros((servable.batch, max_new), np.int32)
+        made = np.zeros(servable.batch, np.int32)  # new tokens of each row so far
+        first_at = None
+        while True:
+            # A row whose whole prompt is in the cache takes its next token from these logits.
+            ready = (fed == length) & (made < max_new)
+            token = _host(next_tokens(logits, seed, rows, np.minimum(made, max_new - 1), sampling=sampling))
+            new[ready, made[ready]] = token[ready]
+            made += ready
+            if first_at is None and made.all():
+                first_at = time.perf_counter()  # waiting on the host bounds the steps in flight, too
+                first_token_times.append(first_at - group_started)
+            if (made == max_new).all():
+                break
+            feeding = fed < length
+            feed = np.where(feeding, padded[rows, np.minimum(fed, padded.shape[1] - 1)],
+                            new[np.arange(servable.batch), np.maximum(made - 1, 0)])
+            fed += feeding
+            logits, cache = servable.decode(params, feed.astype(np.int32), cache)
         decode_seconds += time.perf_counter() - first_at
-        outputs.append(np.stack(new, axis=1)[:end - first])
+        outputs.append(new[:end - first])
     seconds = time.perf_counter() - started
     report = GenerationReport(
         requests=requests, groups=groups, prompt_tokens=int(lengths.max()), new_tokens=max_new,

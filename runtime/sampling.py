@@ -58,11 +58,13 @@ def restrict(logits: jax.Array, sampling: Sampling) -> jax.Array:
 @partial(jax.jit, static_argnames="sampling")
 def next_tokens(logits: jax.Array, seed: jax.Array, requests: jax.Array, index: jax.Array, *,
                 sampling: Sampling) -> jax.Array:
-    """Token ids [batch] int32: the `index`-th new token of each row, row i serving request
-    requests[i] (an int array [batch])."""
+    """Token ids [batch] int32: the `index`-th new token of each row (index: a scalar or one per
+    row), row i serving request requests[i] (an int array [batch])."""
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    base = jax.random.fold_in(jax.random.key(seed), index)
-    keys = jax.vmap(lambda request: jax.random.fold_in(base, request))(jnp.asarray(requests, jnp.uint32))
+    requests = jnp.asarray(requests, jnp.uint32)
+    index = jnp.broadcast_to(jnp.asarray(index, jnp.uint32), requests.shape)
+    key = jax.random.key(seed)
+    keys = jax.vmap(lambda request, i: jax.random.fold_in(jax.random.fold_in(key, i), request))(requests, index)
     restricted = restrict(logits, sampling)
     return jax.vmap(jax.random.categorical)(keys, restricted).astype(jnp.int32)

@@ -95,12 +95,29 @@ def test_short_prompts_of_mixed_lengths_give_the_unpadded_greedy_tokens(model):
         assert tokens[i, 7:].tolist() == _reference_greedy(spec, params, row, max_new), i
 
 
-def test_an_empty_prompt_and_one_longer_than_the_prefill_are_refused():
+@pytest.mark.parametrize("model", ["windowed", "mla-tiny"])
+def test_prompts_longer_than_the_prefill_are_fed_through_decode_steps(model):
+    """Rows past prompt_len go on through decode steps while the shorter rows of their group already
+    generate: each still gets the unpadded greedy tokens."""
+    spec = load_text(WINDOWED)["windowed"] if model == "windowed" else load_model(model)
+    params = _random_params(spec)
+    rng = np.random.default_rng(2)
+    rows = [rng.integers(0, spec.vocab, n).tolist() for n in (3, 11, 4, 9)]
+    max_new, prompt_len = 5, 4
+    servable = spec_servable(spec, 2, prompt_len, 11 + max_new - 1, "float32")
+    tokens, report = generate(servable, params, _padded(rows, 11), max_new)
+    assert report.prompt_tokens == 11
+    for i, row in enumerate(rows):
+        assert tokens[i, 11:].tolist() == _reference_greedy(spec, params, row, max_new), i
+
+
+def test_an_empty_prompt_and_one_the_cache_cannot_hold_are_refused():
     spec = load_text(WINDOWED)["windowed"]
     servable = spec_servable(spec, 2, 4, 8, "float32")
     with pytest.raises(GenerationError, match="prompt row 1 is empty: every prompt needs at least one token"):
         generate(servable, {}, _padded([[1, 2], []], 3), 2)
-    with pytest.raises(GenerationError, match=r"a prompt of 5 tokens is longer than the compiled prefill \(4 tokens\)"):
-        generate(servable, {}, _padded([[1, 2], [1, 2, 3, 4, 5]], 5), 2)
+    with pytest.raises(GenerationError, match=r"8 prompt slots \+ 2 new tokens need a cache of 9 slots; "
+                                              r"the compiled cache holds 8"):
+        generate(servable, {}, _padded([[1, 2], [1, 2, 3, 4, 5, 6, 7, 8]], 8), 2)
     with pytest.raises(GenerationError, match="prompt row 0 has ids after its padding"):
         generate(servable, {}, np.array([[1, PAD, 2]], np.int32), 2)

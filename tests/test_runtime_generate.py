@@ -153,8 +153,19 @@ def test_groups_and_short_prompts_follow_the_reference():
     assert report.time_to_first_token_s > 0 and report.decode_tokens_per_second_per_user > 0
 
 
+def test_prompts_longer_than_the_prefill_follow_the_reference():
+    servable = _toy_servable(prompt_len=3)
+    rows = [[1, 2, 3, 4, 5, 6], [5], [7, 7, 7, 7], [2, 9]]  # long and short rows share groups
+    prompts = np.full((4, 6), PAD, np.int32)
+    for i, row in enumerate(rows):
+        prompts[i, :len(row)] = row
+    tokens, _ = generate(servable, None, prompts, 4)
+    for row in range(4):
+        assert tokens[row, 6:].tolist() == _toy_reference(rows[row], 4), row
+
+
 @pytest.mark.parametrize("prompt, new, message", [
-    (np.zeros((1, 6), np.int32), 3, r"a prompt of 6 tokens is longer than the compiled prefill \(5 tokens\)"),
+    (np.zeros((1, 11), np.int32), 3, r"11 prompt slots \+ 3 new tokens need a cache of 13 slots"),
     (np.full((1, 3), PAD, np.int32), 3, "prompt row 0 is empty"),
     (np.zeros((1, 4), np.int32), 9, "the compiled cache holds 12"),
     (np.full((1, 4), VOCAB, np.int32), 1, r"prompt ids must lie in \[0, 17\)"),
