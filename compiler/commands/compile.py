@@ -195,6 +195,15 @@ class ProgressView:
         self.console.print(f"  [green]done[/] {label:<32} {seconds:7.1f} s  (cpu {cpu_seconds:.1f} s)")
 
 
+def _check_signing_key(path: str) -> None:
+    from mxc.runtime.signing import SigningError, load_private_key
+
+    try:
+        load_private_key(path)
+    except SigningError as err:
+        raise UserError(f"--sign: {err}") from None
+
+
 def handler(args: argparse.Namespace) -> int:
     from mxc.compiler.topology import TopologyError, parse
 
@@ -204,6 +213,8 @@ def handler(args: argparse.Namespace) -> int:
     except TopologyError as err:
         raise UserError(str(err)) from None
     _prepare_process(topology)
+    if args.sign:  # a bad key must fail before minutes of compiling, not after
+        _check_signing_key(args.sign)
 
     from rich.console import Console
 
