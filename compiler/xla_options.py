@@ -9,12 +9,10 @@ from __future__ import annotations
 from mxc.spec.ir import ModelSpec, MoE
 
 # The embedding lookup's gather runs on the TensorCores instead of being offloaded to the
-# SparseCores. Compiling the offload (libtpu's SparseCore compiler) is about a twentieth of the
-# CPU time of Llama 3.1 8B's train step for v5p-1024 (38.4 -> 36.3 CPU-s, peak RSS 0.939 ->
-# 0.91 GiB, docs/compile.md), while the gather itself copies 4 x 4096 rows of 8 KiB per chip
-# and step: a quarter of a GiB of HBM traffic, a fraction of a millisecond, against a step of
-# seconds. Only for dense models: an MoE layer's token dispatch may be a gather as well, large
-# enough for the offload to pay.
+# SparseCores: compiling the offload (libtpu's SparseCore compiler) costs a visible share of the
+# compile's CPU time and memory, while a dense model's gather is a small copy against a step
+# (measured in docs/compile.md, "What the compile time went into"). Only for dense models: an
+# MoE layer's token dispatch may be a gather as well, large enough for the offload to pay.
 _DENSE_TPU = {"xla_tpu_offload_gather_to_sparsecore": False}
 
 

@@ -187,8 +187,8 @@ def init_train_state(spec: ModelSpec, config: OptimizerConfig, key: jax.Array) -
 def abstract_train_state(spec: ModelSpec, config: OptimizerConfig) -> TrainState:
     """The train state's shapes and dtypes, traced from a traced seed: nothing runs on the host
     (a concrete key would compile and run jax's seeding on the CPU backend, whose code generator
-    then stays resident through the TPU compile: 0.97 instead of 0.94 GiB peak for Llama 3.1
-    8B's train step on v5p-1024)."""
+    then stays resident through the accelerator compile and raises its peak memory; measured in
+    docs/compile.md)."""
     return jax.eval_shape(lambda seed: init_train_state(spec, config, jax.random.key(seed)),
                           jax.ShapeDtypeStruct((), jnp.int32))
 
