@@ -10,7 +10,7 @@ from mxc.compiler.commands.forward import add_model_arguments, load
 
 
 def register(subparsers) -> None:
-    from mxc.runtime.cli import add_generation_arguments
+    from mxc.runtime.cli import add_generation_arguments, add_trust_arguments
 
     parser = subparsers.add_parser(
         "generate", help="decode new tokens after a prompt (a spec, or a compiled artifact)",
@@ -26,6 +26,7 @@ def register(subparsers) -> None:
     add_model_arguments(parser)
     parser.set_defaults(dtype=None)  # None: not given, so an artifact can refuse it when it is
     add_generation_arguments(parser)
+    add_trust_arguments(parser)
     parser.set_defaults(func=handler)
 
 
@@ -45,6 +46,8 @@ def runtime_arguments(args: argparse.Namespace) -> list[str]:
                         ("--report", args.report)):
         if value is not None:
             arguments += [flag, str(value)]
+    for key in args.trusted_key or ():
+        arguments += ["--trusted-key", key]
     return arguments
 
 
@@ -69,6 +72,8 @@ def handler(args: argparse.Namespace) -> int:
 
     if is_artifact(args.model):  # a compiled artifact: served by the runtime's precompiled prefill/decode
         return hand_over("generate", runtime_arguments(args))
+    if args.trusted_key:
+        raise UserError(f"--trusted-key checks an artifact's signature; {args.model} is no artifact")
     if args.report is not None:
         raise UserError("--report writes the timings of an artifact's precompiled prefill and decode; "
                         f"{args.model} is no artifact (compile it with mxc compile --serve)")

@@ -88,6 +88,20 @@ def test_generate_refuses_an_unsigned_artifact_before_reading_the_parameters(art
     assert f"mxc: error: {artifact} is not signed" in done.stderr
 
 
+@pytest.mark.parametrize("model", ["artifact", "spec"])
+def test_mxc_generate_forwards_the_key_to_an_artifact_and_refuses_it_for_a_spec(artifact, keys, tmp_path, model):
+    (_, public), _ = keys
+    np.save(tmp_path / "prompt.npy", np.ones((1, 2), np.int32))
+    target = str(artifact) if model == "artifact" else "llama3-tiny"
+    done = subprocess.run([MXC, "generate", target, "--params", str(tmp_path / "absent"), "--prompt-tokens",
+                           str(tmp_path / "prompt.npy"), "--max-new", "1", "-o", str(tmp_path / "out.npy"),
+                           "--trusted-key", str(public)], env=cpu_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    expected = (f"mxc: error: {artifact} is not signed" if model == "artifact"
+                else "mxc: error: --trusted-key checks an artifact's signature; llama3-tiny is no artifact")
+    assert expected in done.stderr, done.stderr
+
+
 def test_inspect_refuses_an_unsigned_artifact_and_shows_a_signed_one(artifact, keys):
     (private, public), _ = keys
     command = [MXC, "inspect", str(artifact), "--json", "--trusted-key", str(public)]
