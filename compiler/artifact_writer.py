@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mxc.runtime.artifact import MANIFEST_NAME, ArtifactError, Manifest, sha256_hex
 from mxc.runtime.artifact_reader import read_manifest, read_verified
+from mxc.runtime.file_modes import current_umask
 from mxc.runtime.signing import SIGNATURE_NAME
 
 
@@ -77,18 +78,12 @@ def _install(staging: Path, destination: Path, force: bool) -> None:
     _fsync_directory(destination.parent)
 
 
-def _current_umask() -> int:
-    mask = os.umask(0)  # the only way to read it is to set it; put it straight back
-    os.umask(mask)
-    return mask
-
-
 def _staging_dir(destination: Path) -> Path:
     """A fresh directory beside `destination`. mkdtemp makes it 0700; it becomes the artifact, so
     it gets the mode any folder the user makes would have (0755 under umask 022)."""
     destination.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
-    staging.chmod(0o777 & ~_current_umask())
+    staging.chmod(0o777 & ~current_umask())
     return staging
 
 
