@@ -261,8 +261,11 @@ def generate_command(args) -> int:
 
     from mxc.runtime.checkpoint import restore_params
     from mxc.runtime.generate import generate, servable_from_program
-    servable = servable_from_program(_load(args))
-    params = restore_params(args.params, servable.abstract_params)
+    from mxc.runtime.trainable import artifact_identity
+    program = _load(args)
+    servable = servable_from_program(program)
+    # A checkpoint of another spec is refused before its arrays are read.
+    params = restore_params(args.params, servable.abstract_params, identity=artifact_identity(program.manifest))
     tokens, report = generate(servable, params, prompts, args.max_new, sampling=sampling, seed=args.seed)
     if jax.process_index() == 0:
         np.save(args.output, tokens)

@@ -29,6 +29,7 @@ def load_spec_and_params(ref: str, params_path: str | None = None) -> tuple[Mode
     import jax
 
     from mxc.compiler.lower.params import param_shapes
+    from mxc.compiler.plan.plan import spec_hash
     from mxc.runtime.checkpoint import restore_params
 
     spec = load_spec(ref)
@@ -38,5 +39,5 @@ def load_spec_and_params(ref: str, params_path: str | None = None) -> tuple[Mode
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one_device), param_shapes(spec))
     # restore_params takes what generate --params takes: saved parameters, a run directory of
-    # `mxc run --ckpt-dir` (its newest step) or one step of it.
-    return spec, restore_params(path, target)
+    # `mxc run --ckpt-dir` (its newest step) or one step of it; a run of another spec is refused.
+    return spec, restore_params(path, target, identity={"model": spec.name, "spec_hash": spec_hash(spec)})
