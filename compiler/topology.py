@@ -309,6 +309,31 @@ def _quiet_stderr():
         os.close(saved)
 
 
+# device_kind spellings that do not contain the chip's table name.
+_KIND_ALIASES = {"v5lite": "v5e", "v6lite": "v6e"}
+
+
+def attached_topology(topology: Topology, found: list) -> Topology:
+    """`local` made concrete: a topology of the `found` devices (their count and chip), so that
+    planning and compiling for the host's devices use the same figures as a named topology."""
+    if topology.name != "local":
+        return topology
+    if not found:
+        raise TopologyError("local: this host has no devices jax can use")
+    platform = found[0].platform
+    kind = str(getattr(found[0], "device_kind", "")).lower().replace(" ", "")
+    if platform == "cpu":
+        chip = CHIPS["cpu"]
+    else:
+        names = [name for name in CHIPS if name in kind] + [chip for alias, chip in _KIND_ALIASES.items()
+                                                             if alias in kind]
+        if not names:
+            raise TopologyError(f"local: no chip facts for the attached {found[0].device_kind!r} devices; "
+                                f"name a topology (mxc topologies lists them)")
+        chip = CHIPS[names[0]]
+    return Topology("local", chip, len(found), 1, (len(found),), 1)
+
+
 def devices(topology: Topology) -> list:
     """The devices to compile for: libtpu's description of a TPU slice (no TPU needed), the
     host's virtual CPU devices, or the attached devices."""

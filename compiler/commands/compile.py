@@ -9,7 +9,6 @@ goes to stderr stage by stage; the summary (or with --json the summary as JSON) 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -195,6 +194,16 @@ class ProgressView:
         self.console.print(f"  [green]done[/] {label:<32} {seconds:7.1f} s  (cpu {cpu_seconds:.1f} s)")
 
 
+def _attached(topology, devices: list):
+    """`local`: whatever is attached, so plan for exactly those devices."""
+    from mxc.compiler.topology import TopologyError, attached_topology
+
+    try:
+        return attached_topology(topology, devices)
+    except TopologyError as err:
+        raise UserError(str(err)) from None
+
+
 def _check_signing_key(path: str) -> None:
     from mxc.runtime.signing import SigningError, load_private_key
 
@@ -235,8 +244,7 @@ def handler(args: argparse.Namespace) -> int:
         raise UserError(str(err)) from None
     with stages.stage("devices"):
         devices = _devices(topology)
-    if topology.name == "local":  # whatever is attached: plan for exactly those devices
-        topology = dataclasses.replace(topology, chips=len(devices), shape=(len(devices),))
+    topology = _attached(topology, devices)
     seq, batch = shapes(args, spec, topology)
     with stages.stage("plan"):
         plan = choose_plan(spec, topology, seq, batch, args)

@@ -106,13 +106,15 @@ def parse_pins(pins: list[str]) -> dict[str, int]:
 def handler(args: argparse.Namespace) -> int:
     from mxc.compiler.commands.refs import load_one
     from mxc.compiler.plan import PlanError, plan
-    from mxc.compiler.topology import TopologyError, parse
+    from mxc.compiler.topology import TopologyError, attached_topology, devices, parse
 
     if args.attempts < 1:
         raise UserError(f"--attempts must be a positive number, not {args.attempts}")
     pins = parse_pins(args.pin)
     try:
         topology = parse(args.topology, args.slices)
+        if topology.name == "local":  # the host's devices, counted once jax starts
+            topology = attached_topology(topology, devices(topology))
     except TopologyError as err:
         raise UserError(str(err)) from None
     spec = load_one(args.model, args.overrides)
