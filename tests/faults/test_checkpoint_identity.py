@@ -88,3 +88,11 @@ def test_init_from_a_run_of_other_shapes_is_one_line_and_leaves_no_folder(tmp_pa
     # Another spec of the same shapes is a fine-tuning start, as before.
     run = train(bigram(QWEN), tokens, tmp_path / "third", 2, init_from=tmp_path / "first")
     assert run.first_step == 0
+
+
+def test_init_from_a_run_that_recorded_no_model_still_names_the_parameter(tmp_path, tokens):
+    train(bigram({}), tokens, tmp_path / "first", 2)
+    with pytest.raises(SpecMismatchError, match=r"^checkpoint .*first step 2 does not fit this model: parameter "
+                                                r"\['table'\] is of shape \[32, 32\] there and of shape \[48, 48\] here$"):
+        restore_params(tmp_path / "first", bigram(QWEN, vocab=48).abstract_state["params"], identity=QWEN,
+                       same_spec=False)
