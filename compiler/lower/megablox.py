@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
-from mxc.compiler.lower.ffn import hidden_activation
+from mxc.compiler.lower.expert_rows import expert_ffn, sort_assignments
 from mxc.spec.ir import MoE
 
 ROW_TILE = 128  # rows per kernel tile; the sorted rows are padded to a multiple of it
@@ -61,32 +60,18 @@ def dropless_rows(moe: MoE, params: dict, x: jax.Array, experts: jax.Array, weig
     them on one device); the rows of other devices' experts contribute zeros. With the hidden
     units split over devices, only the first slice's device adds the down projection's bias."""
     dtype = x.dtype
-    tokens, top_k = experts.shape
     local_experts = params["up"]["kernel"].shape[0]
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat)
-    sorted_experts = flat[order]
-    group_sizes = jnp.bincount(flat, length=moe.experts).astype(jnp.int32)
-    local = sorted_experts - first_expert
+    sorted_rows = sort_assignments(moe, x, experts, weights)
+    local = sorted_rows.experts - first_expert
     is_local = (local >= 0) & (local < local_experts)
     local = jnp.clip(local, 0, local_experts - 1)
-    weights = weights.reshape(-1)[order].astype(dtype)[:, None]
-    rows = x[order // top_k]
-    on_input = moe.router.weight_on == "input"
-    if on_input:
-        rows = rows * weights
 
     def project(name, inputs):
-        y = grouped_matmul(inputs, params[name]["kernel"].astype(dtype), group_sizes, first_expert, interpret)
+        y = grouped_matmul(inputs, params[name]["kernel"].astype(dtype), sorted_rows.group_sizes, first_expert,
+                           interpret)
         if "bias" in params[name]:
             here = is_local & first_of_hidden if name == "down" else is_local
             y = y + jnp.where(here[:, None], params[name]["bias"].astype(dtype)[local], 0)
         return y
 
-    gate = checkpoint_name(project("gate", rows), "mlp_in") if "gate" in params else None
-    hidden = hidden_activation(moe.expert, gate, checkpoint_name(project("up", rows), "mlp_in"))
-    out = project("down", hidden)
-    if not on_input:
-        out = out * weights
-    unsorted = out[jnp.argsort(order)]
-    return unsorted.reshape(tokens, top_k, -1).sum(axis=1)
+    return expert_ffn(moe, params, sorted_rows, experts.shape[0], project)

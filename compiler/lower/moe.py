@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec
 from pydantic import BaseModel, ConfigDict, NonNegativeFloat, PositiveFloat
 
 from mxc.compiler.lower import megablox
+from mxc.compiler.lower.expert_rows import expert_ffn, sort_assignments
 from mxc.compiler.lower.ffn import ffn_layer, hidden_activation
 from mxc.compiler.lower.params import moe_defs, shared_expert_ffn
 from mxc.compiler.lower.sharding import active_rules, constrain, partition_spec, use_rules
@@ -177,31 +178,15 @@ def _dropless_rows(moe: MoE, params: dict, x: jax.Array, experts: jax.Array, wei
     """x [tokens, embed] with its experts and weights [tokens, top_k]: the assignments sorted by
     expert, grouped matmuls over the sorted rows, then unsorted and summed per token."""
     dtype = x.dtype
-    tokens, top_k = experts.shape
-    flat = experts.reshape(-1)
-    # argsort is stable: within an expert, assignments keep token order.
-    order = jnp.argsort(flat)
-    sorted_experts = flat[order]
-    group_sizes = jnp.bincount(flat, length=moe.experts).astype(jnp.int32)
-    weights = weights.reshape(-1)[order].astype(dtype)[:, None]
-    rows = x[order // top_k]
-    on_input = moe.router.weight_on == "input"
-    if on_input:
-        rows = rows * weights
+    sorted_rows = sort_assignments(moe, x, experts, weights)
 
     def project(name, inputs):
-        y = jax.lax.ragged_dot(inputs, params[name]["kernel"].astype(dtype), group_sizes)
+        y = jax.lax.ragged_dot(inputs, params[name]["kernel"].astype(dtype), sorted_rows.group_sizes)
         if "bias" in params[name]:
-            y = y + params[name]["bias"].astype(dtype)[sorted_experts]
+            y = y + params[name]["bias"].astype(dtype)[sorted_rows.experts]
         return y
 
-    gate = checkpoint_name(project("gate", rows), "mlp_in") if "gate" in params else None
-    hidden = hidden_activation(moe.expert, gate, checkpoint_name(project("up", rows), "mlp_in"))
-    out = project("down", hidden)
-    if not on_input:
-        out = out * weights
-    unsorted = out[jnp.argsort(order)]  # back to (token, slot) order
-    return unsorted.reshape(tokens, top_k, -1).sum(axis=1)
+    return expert_ffn(moe, params, sorted_rows, experts.shape[0], project)
 
 
 def _dropless(moe: MoE, params: dict, x: jax.Array, routing: Routing, config: MoEConfig, batch: int):
