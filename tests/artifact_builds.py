@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from runtime_support import child
+
 MXC = Path(sys.executable).with_name("mxc")
 
 # XLA:CPU's backend optimisations cost most of a tiny model's compile time and change nothing
@@ -39,11 +41,10 @@ def run_mxc(base: Path, *args: str, timeout: int = 900, **env: str) -> subproces
                           timeout=timeout)
 
 
-def child_report(script: str, *args: str, timeout: int = 900, **env: str) -> dict:
-    """`python SCRIPT ARGS` in a child process with this environment plus `env` (device flags
+def child_report(name: str, *args: str, env: dict, timeout: int = 900) -> dict:
+    """The child program tests/children/NAME.py run with ARGS in environment `env` (device flags
     must be set before jax is imported): the JSON object it prints last."""
-    done = subprocess.run([sys.executable, script, *args], env={**os.environ, **env}, capture_output=True,
-                          text=True, timeout=timeout)
+    done = subprocess.run(child(name, *args), env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -13,34 +13,28 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import textwrap
 import time
 from pathlib import Path
 
 PYTHON = sys.executable
 MXC = str(Path(sys.executable).with_name("mxc"))
+CHILDREN = Path(__file__).parent / "children"
 STEPS = 60
 SEQ, BATCH = 64, 8
 SERVE_BATCH, PROMPT_LEN, CACHE_LEN = 8, 4, 64
 # Warm up over 5 steps to a peak that moves a 2-layer d_model-64 model within 60 steps.
 OPTIMIZER = {"learning_rate": 3e-3, "total_steps": STEPS, "warmup_steps": 5}
 
-_COMPILE = textwrap.dedent("""
-    import dataclasses, json, sys
-    from mxc.compiler import cli
-    from mxc.compiler.commands import compile as compile_command
-    from mxc.compiler.lower.optimizer import OptimizerConfig
 
-    optimizer = OptimizerConfig(**json.loads(sys.argv[1]))
-    planned = compile_command.run_config
-    compile_command.run_config = lambda *a, **k: dataclasses.replace(planned(*a, **k), optimizer=optimizer)
-    sys.exit(cli.main(sys.argv[2:]))
-""")
+def child(name: str, *args: str) -> list[str]:
+    """The command that runs the child program tests/children/NAME.py with ARGS."""
+    return [PYTHON, str(CHILDREN / f"{name}.py"), *map(str, args)]
 
 
 def cpu_env(devices: int | None = None, **extra: str) -> dict:
     """An environment for a child process on CPU only; `devices` virtual devices if given (else
-    the runtime chooses them from the artifact)."""
+    the runtime chooses them from the artifact). It keeps this session's MXC_CACHE_DIR (set by
+    conftest.py), so children never share the user's compile cache."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", **extra)
     if devices is not None:
@@ -56,7 +50,7 @@ def compile_tiny(destination: Path, *, pins: tuple[str, ...] = (), model: str = 
                  "-o", str(destination), "--force"]
     for pin in pins:
         arguments += ["--pin", pin]
-    done = subprocess.run([PYTHON, "-c", _COMPILE, json.dumps(OPTIMIZER), *arguments], env=cpu_env(8),
+    done = subprocess.run(child("compile_with_schedule", json.dumps(OPTIMIZER), *arguments), env=cpu_env(8),
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return destination

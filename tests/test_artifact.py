@@ -8,15 +8,16 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest
 
-from artifact_builds import FAST_CPU_FLAGS, TINY_CPU8, TINY_V5P8, built, clean_env, rewrite_manifest, run_mxc
+from artifact_builds import (FAST_CPU_FLAGS, TINY_CPU8, TINY_V5P8, built, child_report, clean_env, rewrite_manifest,
+                             run_mxc)
 from mxc.runtime.artifact import ArtifactError, FORMAT_VERSION
+from runtime_support import child
 
 
 @pytest.fixture(scope="session")
@@ -36,92 +37,6 @@ def tiny_copy(tiny, tmp_path) -> Path:
     return copy
 
 
-# The second process: the artifact's functions through mxc.runtime, then the same functions
-# jitted from the zoo's spec with the default plan, on the same 8 devices, compared leaf by leaf.
-SECOND_PROCESS = r"""
-import json, sys, warnings
-import numpy as np
-import jax
-
-import mxc.runtime
-
-artifact, recompile_copy = sys.argv[1], sys.argv[2]
-program = mxc.runtime.load(artifact)
-rng = np.random.default_rng(0)
-sequences = rng.integers(0, 512, (8, 33))
-mask = (rng.random((8, 32)) < 0.9).astype(np.float32)
-batch = {"inputs": sequences[:, :-1], "targets": sequences[:, 1:], "mask": mask}
-prompt = sequences[:, :16]
-
-def run(program):
-    state = program.init(3)
-    first = jax.tree.map(np.asarray, state)
-    evaluated = program.eval_step(state["params"], batch)
-    state, metrics = program.train_step(state, batch)
-    logits, cache = program.prefill(state["params"], prompt, np.full(8, 16, np.int32))  # every row 16 tokens
-    step_logits, cache = program.decode(state["params"], np.argmax(np.asarray(logits), -1), cache)
-    return jax.tree.map(np.asarray, {"init": first, "eval": evaluated, "state": state, "metrics": metrics,
-                                     "prefill": logits, "decode": step_logits, "index": cache["index"]})
-
-native = run(program)
-forbidden = sorted(m for m in sys.modules if m.startswith(("mxc.spec", "mxc.compiler", "lark")))
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    recompiled = run(mxc.runtime.load(recompile_copy))
-warned = [str(w.message) for w in caught if issubclass(w.category, mxc.runtime.RecompiledWarning)]
-
-# The reference: jit of the same functions, built here from the zoo (this process may import the
-# compiler now that the runtime's imports were recorded).
-import jax.numpy as jnp
-from jax.sharding import Mesh
-from mxc.compiler.lower.decode import decode_step, init_cache, prefill
-from mxc.compiler.lower.optimizer import OptimizerConfig
-from mxc.compiler.lower.sharding import named_sharding, use_rules
-from mxc.compiler.lower.train import init_train_state, make_eval_step, make_train_step, train_state_shardings
-from mxc.spec.load import load_model
-
-spec = load_model("llama3-tiny")
-plan = program.manifest.plan  # the plan the artifact was compiled with: the same layout, the same sums
-rules = {axis: tuple(mesh_axes) for axis, mesh_axes in plan["rules"].items()}
-mesh = Mesh(np.array(jax.devices()[:8]).reshape(tuple(plan["mesh"].values())), tuple(plan["mesh"]))
-opt = OptimizerConfig()
-with use_rules(mesh, rules):
-    shardings = train_state_shardings(spec, opt, mesh, rules)
-    tokens = named_sharding(("batch", "seq"), mesh, rules)
-    batch_shardings = {k: tokens for k in batch}
-    state = jax.jit(lambda s: init_train_state(spec, opt, jax.random.key(s)), out_shardings=shardings)(np.int32(3))
-    first = jax.tree.map(np.asarray, state)
-    evaluated = jax.jit(make_eval_step(spec), in_shardings=(shardings.params, batch_shardings))(state.params, batch)
-    step = make_train_step(spec, opt, microbatches=plan["microbatches"], remat=plan["remat"])
-    state, metrics = jax.jit(step, in_shardings=(shardings, batch_shardings))(state, batch)
-    logits, cache = jax.jit(lambda p, t: prefill(spec, p, t, init_cache(spec, 8, 32)))(state.params, prompt)
-    step_logits, cache = jax.jit(lambda p, t, c: decode_step(spec, p, t, c))(
-        state.params, jnp.argmax(logits, -1).astype(jnp.int32), cache)
-reference = jax.tree.map(np.asarray, {"init": first, "eval": evaluated, "state": state, "metrics": metrics,
-                                      "prefill": logits, "decode": step_logits, "index": cache["index"]})
-
-def entry(key):
-    for attribute in ("key", "name", "idx"):
-        if hasattr(key, attribute):
-            return str(getattr(key, attribute))
-    return str(key)
-
-def flat(tree):
-    return {"/".join(entry(k) for k in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-def compare(result, expected):
-    result, expected = flat(result), flat(expected)
-    assert result.keys() == expected.keys(), sorted(set(result) ^ set(expected))
-    unequal = {k: float(np.max(np.abs(result[k].astype(np.float64) - expected[k].astype(np.float64))))
-               for k in result if not np.array_equal(result[k], expected[k])}
-    return {"leaves": len(result), "unequal": unequal}
-
-print(json.dumps({"forbidden": forbidden, "warned": warned, "native": compare(native, reference),
-                  "recompiled": compare(recompiled, reference),
-                  "loss": float(native["metrics"]["loss"]), "index": int(native["index"])}))
-"""
-
-
 def test_second_process_loads_it_and_matches_jit(tiny, base, tmp_path):
     recompile_copy = tmp_path / "other-versions"
     shutil.copytree(tiny, recompile_copy)
@@ -131,10 +46,9 @@ def test_second_process_loads_it_and_matches_jit(tiny, base, tmp_path):
                                                 m.update(compiler_options={"xla_no_such_option": True})))
     env = clean_env(base, JAX_PLATFORMS="cpu",
                     XLA_FLAGS=f"{FAST_CPU_FLAGS} --xla_force_host_platform_device_count=8")
-    done = subprocess.run([sys.executable, "-c", SECOND_PROCESS, str(tiny), str(recompile_copy)],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # The artifact's functions through mxc.runtime alone, then the same functions jitted from the
+    # zoo's spec with the artifact's plan on the same 8 devices, compared leaf by leaf.
+    result = child_report("artifact_against_jit", str(tiny), str(recompile_copy), env=env)
     assert result["forbidden"] == [], "the runtime imported compiler/spec/lark modules"
     assert result["native"]["leaves"] > 20
     assert result["native"]["unequal"] == {}
@@ -284,10 +198,6 @@ def test_tree_paths_round_trip():
 
 
 def test_manifest_of_the_tiny_artifact_parses_without_the_compiler(tiny):
-    code = ("import sys; from mxc.runtime.artifact_reader import read_verified; "
-            f"m = read_verified({str(tiny)!r}).manifest; "
-            "print(m.topology.name, sorted(m.functions), "
-            "sorted(x for x in sys.modules if x.startswith(('mxc.spec', 'mxc.compiler', 'lark', 'jax'))))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(child("read_manifest", str(tiny)), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "cpu-8 ['decode', 'eval_step', 'init', 'prefill', 'train_step'] []"

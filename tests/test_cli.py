@@ -14,6 +14,7 @@ from mxc.compiler.commands.check import pattern_text
 from mxc.compiler.commands import units
 from mxc.spec import ModelSpec, load_model, zoo_names
 from mxc.spec.format import format_text
+from runtime_support import child
 
 MXC = Path(sys.executable).with_name("mxc")
 
@@ -240,9 +241,7 @@ def test_internal_error_is_reported_without_traceback(capsys, monkeypatch):
 
 def test_start_up_imports_nothing_heavy():
     """Building the parser (what `mxc --help` does) must not pull in jax, lark, pydantic or rich."""
-    probe = ("import sys; from mxc.compiler import cli; cli.build_parser(); "
-             "print(sorted(m for m in ('jax', 'lark', 'pydantic', 'rich') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(child("parser_imports"), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 

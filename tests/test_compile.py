@@ -6,8 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +13,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest
 
-from artifact_builds import FAST_CPU_FLAGS, TINY_CPU8, TINY_V5P8, built, clean_env, run_mxc
+from artifact_builds import FAST_CPU_FLAGS, TINY_CPU8, TINY_V5P8, built, child_report, clean_env, run_mxc
 from mxc.runtime.artifact import FORMAT_VERSION
 
 
@@ -222,28 +220,12 @@ def test_tpu_target_compiles_on_this_cpu_host(base):
     assert manifest["functions"]["train_step"]["cost"]["flops"] > 0
 
 
-HOST_COMPILES = r"""
-import json, sys
-import jax.monitoring
-from mxc.compiler import cli
-
-compiles = []
-jax.monitoring.register_event_duration_secs_listener(
-    lambda event, seconds, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
-code = cli.main(sys.argv[1:])
-print(json.dumps({"code": code, "backend_compiles": len(compiles)}))
-"""
-
-
 def test_a_tpu_compile_runs_nothing_on_the_host(base, tmp_path):
     """Exactly one XLA compile per function (init, train_step, eval_step), all for the TPU:
     building the abstract state must not compile or run anything on the host's CPU backend,
     whose code generator would cost the compile command memory it does not need."""
     args = ["compile", "llama3-tiny", "--topology", "v5p-8", "--no-cache", "-o", str(tmp_path / "out")]
-    done = subprocess.run([sys.executable, "-c", HOST_COMPILES, *args], capture_output=True, text=True,
-                          env=clean_env(base), timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = child_report("count_backend_compiles", *args, env=clean_env(base), timeout=600)
     assert result == {"code": 0, "backend_compiles": 3}, result
 
 
@@ -311,40 +293,10 @@ def test_a_plan_for_another_model_is_refused(base, tmp_path):
 
 # ------------------------------------------------------------------ compile time under scan
 
-SCAN_TIMING = r"""
-import json, sys, time
-import jax, jax.numpy as jnp
-from mxc.compiler.lower.optimizer import OptimizerConfig
-from mxc.compiler.lower.train import abstract_train_state, make_train_step
-from mxc.spec.ir import Segment
-from mxc.spec.load import load_model
-
-base = load_model(sys.argv[1])
-d_model = int(sys.argv[2])
-
-def compile_seconds(layers):
-    block = base.layers[0]
-    spec = base.model_copy(update={"layers": (Segment(period=block.period, repeat=layers),)})
-    opt = OptimizerConfig()
-    state = abstract_train_state(spec, opt)
-    batch = {"inputs": jax.ShapeDtypeStruct((2, 32), jnp.int32), "targets": jax.ShapeDtypeStruct((2, 32), jnp.int32),
-             "mask": jax.ShapeDtypeStruct((2, 32), jnp.float32)}
-    started = time.process_time()  # CPU time: other processes on the machine do not count
-    jax.jit(make_train_step(spec, opt)).lower(state, batch).compile()
-    return time.process_time() - started
-
-first = compile_seconds(8)  # also pays for XLA's own start: the second 8-layer compile is the fair one
-print(json.dumps({"8": min(first, compile_seconds(8)), "80": compile_seconds(80)}))
-"""
-
-
 def test_compile_time_does_not_grow_with_depth(base):
     """80 layers compile within 1.5x of 8: the layers are one lax.scan, not 80 copies."""
-    done = subprocess.run([sys.executable, "-c", SCAN_TIMING, "llama3-tiny", "64"], capture_output=True,
-                          text=True, env=clean_env(base, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_CPU_FLAGS),
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    seconds = json.loads(done.stdout.strip().splitlines()[-1])
+    seconds = child_report("scan_compile_seconds", "llama3-tiny", timeout=600,
+                           env=clean_env(base, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_CPU_FLAGS))
     assert seconds["80"] <= 1.5 * seconds["8"], seconds
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -21,6 +20,7 @@ from mxc.compiler.lower import moe as moe_lib
 from mxc.compiler.lower.moe import MoEConfig, Routing, capacity, moe_layer, route
 from mxc.compiler.lower.params import ParamDef, moe_defs
 from mxc.spec.ir import GLU, ClampedSwiGLU, MoE, Router
+from runtime_support import child, cpu_env
 
 D_MODEL = 32
 
@@ -267,167 +267,24 @@ def test_experts_carry_the_experts_axis():
 
 # ---------------------------------------------------------------- sharded over 8 devices
 
-SHARDED_SETUP = """
-import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-os.environ["JAX_PLATFORMS"] = "cpu"
-import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import Mesh
-from mxc.compiler.lower.moe import MoEConfig, moe_layer
-from mxc.compiler.lower.model import forward
-from mxc.compiler.lower.params import init_params, param_axes, moe_defs
-from mxc.compiler.lower.sharding import tree_shardings, use_rules, named_sharding
-from mxc.spec.load import load_model
-import test_moe as t
-
-assert len(jax.devices()) == 8
-mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))
-rules = {"batch": ("data",), "experts": ("expert",)}
-
-
-def sharded_layer(name):
-    moe, params, x = t._layer(name)
-    x = jnp.concatenate([x, x[:1]])  # 4 sequences: 2 per data shard
-    axes = jax.tree.map(lambda d: d.axes, moe_defs(moe, t.D_MODEL), is_leaf=lambda d: hasattr(d, "axes"))
-    shardings = tree_shardings(axes, mesh, rules)
-    assert shardings["experts"]["up"]["kernel"].spec[0] == "expert"
-    return moe, params, x, jax.device_put(params, shardings), jax.device_put(
-        x, named_sharding(("batch", "seq", "embed"), mesh, rules))
-"""
-
-SHARDED_PATHS = """
-for name in ("llama4", "gpt_oss", "deepseek3"):
-    moe, params, x, sharded_params, sharded_x = sharded_layer(name)
-    reference, reference_stats = moe_layer(moe, params, x, MoEConfig(path="dense"))
-    for path in ("dropless", "capacity"):
-        config = MoEConfig(path=path, capacity_factor=float(moe.experts))
-        with use_rules(mesh, rules):
-            y, stats = jax.jit(lambda p, x: moe_layer(moe, p, x, config))(sharded_params, sharded_x)
-        np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-5, err_msg=f"{name} {path}")
-        # Statistics are of the whole batch, not of one shard.
-        np.testing.assert_array_equal(stats.expert_load, reference_stats.expert_load)
-        np.testing.assert_allclose(stats.aux_loss, reference_stats.aux_loss, rtol=1e-6)
-        assert float(stats.dropped) == 0
-
-# megablox's kernel runs fully manual: also with the hidden units split over `tensor`, and with
-# a batch split over the expert axis too (tokens gathered, outputs scattered back).
-megablox = MoEConfig(grouped_matmul="megablox")
-layouts = [((2, 2, 2), ("data", "expert", "tensor"), {"batch": ("data",), "experts": ("expert",), "mlp": ("tensor",)}),
-           ((2, 4), ("data", "expert"), {"batch": ("data", "expert"), "experts": ("expert",)})]
-for name in ("gpt_oss", "deepseek3"):
-    moe, params, x = t._layer(name)
-    x = jnp.concatenate([x, x, x[:2]])  # 8 sequences
-    reference, reference_stats = moe_layer(moe, params, x, MoEConfig(path="dense"))
-    for shape, names, layout in layouts:
-        grid = Mesh(np.array(jax.devices()).reshape(shape), names)
-        axes = jax.tree.map(lambda d: d.axes, moe_defs(moe, t.D_MODEL), is_leaf=lambda d: hasattr(d, "axes"))
-        sharded = jax.device_put(params, tree_shardings(axes, grid, layout))
-        with use_rules(grid, layout):
-            y, stats = jax.jit(lambda p, x: moe_layer(moe, p, x, megablox))(
-                sharded, jax.device_put(x, named_sharding(("batch", "seq", "embed"), grid, layout)))
-        np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-5, err_msg=f"{name} {shape}")
-        np.testing.assert_array_equal(stats.expert_load, reference_stats.expert_load)
-print("sharded ok")
-"""
-
-SHARDED_TRAINING = """
-for name in ("llama4", "deepseek3"):
-    moe, params, x, sharded_params, sharded_x = sharded_layer(name)
-    # Gradients flow through the per-shard region and its summed statistics unchanged.
-    def loss(p, x):
-        y, stats = moe_layer(moe, p, x, MoEConfig())
-        return jnp.sum(jnp.sin(y)) + stats.aux_loss
-    expected = jax.grad(loss)(params, x)
-    with use_rules(mesh, rules):
-        grads = jax.jit(jax.grad(loss))(sharded_params, sharded_x)
-    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
-        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5, err_msg=name)
-
-spec = load_model("moe-tiny")
-params = init_params(spec, jax.random.key(0), 0.1)
-tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, spec.vocab)
-reference = forward(spec, params, tokens, dtype="float32", moe=MoEConfig(path="dense"))[0]
-params = jax.device_put(params, tree_shardings(param_axes(spec), mesh, rules))
-with use_rules(mesh, rules):
-    logits = jax.jit(lambda p, t: forward(spec, p, t, dtype="float32")[0])(params, tokens)
-np.testing.assert_allclose(logits, reference, rtol=1e-4, atol=1e-4)
-
-# A whole train step (scanned layers, remat, aux loss) sharded equals the one-device step.
-from mxc.compiler.lower.optimizer import OptimizerConfig
-from mxc.compiler.lower.train import batch_from_sequences, init_train_state, make_train_step, train_state_shardings
-spec = spec.model_copy(update={"compute_dtype": "float32"})
-config = OptimizerConfig(learning_rate=1e-3, total_steps=10, warmup_steps=1)
-state = init_train_state(spec, config, jax.random.key(0))
-batch = batch_from_sequences(jax.random.randint(jax.random.key(2), (8, 17), 0, spec.vocab))
-step = make_train_step(spec, config, moe=MoEConfig(aux_loss_weight=0.1))
-expected_state, expected = jax.jit(step)(state, batch)
-with use_rules(mesh, rules):
-    sharded_state = jax.device_put(state, train_state_shardings(spec, config, mesh, rules))
-    sharded_batch = jax.device_put(batch, named_sharding(("batch", None), mesh, rules))
-    new_state, metrics = jax.jit(step)(sharded_state, sharded_batch)
-for key in ("loss", "aux_loss", "grad_norm"):
-    np.testing.assert_allclose(metrics[key], expected[key], rtol=1e-5, err_msg=key)
-for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(expected_state.params)):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-print("sharded ok")
-"""
-
-
-def _run_on_8_devices(script: str) -> None:
+def _run_on_8_devices(checks: str) -> None:
+    """tests/children/moe_sharded.py CHECKS on 8 virtual CPU devices, which must be set before jax
+    is imported: hence a process of its own."""
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    result = subprocess.run([sys.executable, "-c", SHARDED_SETUP + script], capture_output=True, text=True,
-                            env=env, timeout=900, cwd=here)
+    env = cpu_env(8, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run(child("moe_sharded", checks), capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0 and "sharded ok" in result.stdout, result.stderr[-4000:]
 
 
 def test_paths_agree_with_experts_sharded_over_8_devices():
     """On a (data 2, expert 4) mesh with experts sharded over `expert`, the dropless and capacity
     paths give the single-device dense reference's outputs and statistics."""
-    _run_on_8_devices(SHARDED_PATHS)
+    _run_on_8_devices("paths")
 
 
 @pytest.mark.slow
 def test_gradients_and_a_whole_model_agree_with_experts_sharded_over_8_devices():
-    _run_on_8_devices(SHARDED_TRAINING)
-
-
-TPU_FLOPS = """
-import os
-os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
-import jax, jax.numpy as jnp, numpy as np
-from jax.experimental import topologies
-from jax.sharding import Mesh
-from mxc.compiler.lower.moe import MoEConfig, moe_layer
-from mxc.compiler.lower.params import moe_defs
-from mxc.compiler.lower.sharding import named_sharding, use_rules
-from mxc.spec.ir import GLU, MoE, Router
-
-devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices
-mesh = Mesh(np.array(devices).reshape(2, 2), ("data", "expert"))
-rules = {"batch": ("data",), "experts": ("expert",)}
-moe = MoE(experts=8, top_k=2, expert=GLU(hidden=1024, act="silu"), router=Router(score="softmax", normalize=True))
-d_model, batch, seq = 512, 8, 1024
-params = jax.tree.map(
-    lambda p: jax.ShapeDtypeStruct(p.shape, jnp.bfloat16, sharding=named_sharding(p.axes, mesh, rules)),
-    moe_defs(moe, d_model), is_leaf=lambda p: hasattr(p, "axes"))
-x = jax.ShapeDtypeStruct((batch, seq, d_model), jnp.bfloat16,
-                         sharding=named_sharding(("batch", "seq", "embed"), mesh, rules))
-flops = {}
-for kind in ("ragged_dot", "megablox"):
-    with use_rules(mesh, rules):
-        layer = jax.jit(lambda p, x: moe_layer(moe, p, x, MoEConfig(grouped_matmul=kind))[0])
-        compiled = layer.lower(params, x).compile()
-    flops[kind] = compiled.cost_analysis()["flops"]
-# Per device: its data shard's tokens · top_k rows, three matmuls of 2 · d_model · hidden FLOPs,
-# split over the 2 expert shards.
-useful = batch // 2 * seq * moe.top_k * 3 * 2 * d_model * 1024 / 2
-print("flops", flops, "useful", useful)
-# megablox's cost estimate counts every row of the shard (its grid skips other devices' experts);
-# XLA's ragged_dot runs every local expert over every row.
-assert flops["megablox"] <= 2.1 * useful and flops["ragged_dot"] >= 4 * flops["megablox"], flops
-print("tpu ok")
-"""
+    _run_on_8_devices("training")
 
 
 def test_megablox_compiles_for_tpu_without_the_dense_flops():
@@ -435,9 +292,8 @@ def test_megablox_compiles_for_tpu_without_the_dense_flops():
     path with megablox costs a fraction of XLA's ragged_dot, which runs every local expert over
     every row: the reason the plan picks megablox on TPU."""
     pytest.importorskip("libtpu")
-    here = os.path.dirname(os.path.abspath(__file__))
-    result = subprocess.run([sys.executable, "-c", TPU_FLOPS], capture_output=True, text=True, timeout=600,
-                            cwd=here, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    result = subprocess.run(child("moe_tpu_flops"), capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert result.returncode == 0 and "tpu ok" in result.stdout, result.stdout[-2000:] + result.stderr[-3000:]
 
 

@@ -52,8 +52,7 @@ def installed(tmp_path_factory) -> Path:
     run(sys.executable, "-m", "venv", "--without-pip", venv)
     python = venv / "bin" / "python"
     run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--quiet", wheel)
-    site_packages = Path(run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-                         .stdout.strip())
+    site_packages = Path(sysconfig.get_path("purelib", vars={"base": str(venv), "platbase": str(venv)}))
     # The dependencies (jax, pydantic, lark, rich...) come from the venv running this test. A
     # path in a .pth is only appended to sys.path: that folder's own .pth files (the editable
     # install of mxc among them) are not run, so mxc can only come from the wheel.

@@ -4,8 +4,6 @@ a crash in the middle of a save; restoring onto another mesh and another device 
 import os
 import signal
 import subprocess
-import sys
-import textwrap
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -18,7 +16,7 @@ import pytest
 
 from mxc.runtime.checkpoint import LOCK_FILE, CheckpointError, Checkpoints, abstract_like, find_checkpoint, restore_params
 
-from runtime_support import cpu_env
+from runtime_support import child, cpu_env
 
 
 def _state(seed=0):
@@ -76,35 +74,9 @@ def test_parameters_saved_by_the_hf_importer_are_read_too(tmp_path):
     _assert_trees_equal(restore_params(tmp_path / "params", params), params)
 
 
-_CRASH_DURING_SAVE = textwrap.dedent("""
-    import asyncio, sys
-    import jax.numpy as jnp
-    from orbax.checkpoint._src.path import atomicity
-    from mxc.runtime.checkpoint import Checkpoints
-
-    directory, marker = sys.argv[1], sys.argv[2]
-    checkpoints = Checkpoints(directory)
-    checkpoints.save(1, params={"w": jnp.arange(4.0)}, optimizer={"step": jnp.int32(1)}, meta={"step": 1})
-    checkpoints.wait()
-
-    original = atomicity.AtomicRenameTemporaryPath.finalize
-
-    async def finalize_then_hang(self):
-        # Everything of step 2 is written; the process dies before the rename that commits it.
-        if self._final_path.name == "2":
-            open(marker, "w").close()
-            await asyncio.sleep(3600)
-        await original(self)
-
-    atomicity.AtomicRenameTemporaryPath.finalize = finalize_then_hang
-    checkpoints.save(2, params={"w": jnp.arange(4.0) * 100}, optimizer={"step": jnp.int32(2)}, meta={"step": 2})
-    checkpoints.wait()
-""")
-
-
 def test_a_crash_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     directory, marker = tmp_path / "ckpt", tmp_path / "saving"
-    process = subprocess.Popen([sys.executable, "-c", _CRASH_DURING_SAVE, str(directory), str(marker)],
+    process = subprocess.Popen(child("crash_during_save", directory, marker),
                                env=cpu_env(), stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -134,41 +106,10 @@ def test_a_crash_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     np.testing.assert_array_equal(np.asarray(restore_params(directory, {"w": jnp.zeros(4)})["w"]), np.arange(4.0) * 3)
 
 
-_SAVE_SHARDED = textwrap.dedent("""
-    import sys, jax, numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from mxc.runtime.checkpoint import Checkpoints
-    mesh = Mesh(np.array(jax.devices()), ("fsdp",))
-    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
-    params = {"w": put(np.arange(64.0).reshape(16, 4), P("fsdp")), "b": put(np.arange(8.0), P("fsdp"))}
-    checkpoints = Checkpoints(sys.argv[1])
-    checkpoints.save(7, params=params, optimizer={"step": put(np.int32(7), P())}, meta={"step": 7})
-    checkpoints.close()
-""")
-
-_RESTORE_ELSEWHERE = textwrap.dedent("""
-    import sys, jax, numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from mxc.runtime.checkpoint import Checkpoints
-    devices = np.array(jax.devices())
-    mesh = Mesh(devices.reshape(2, -1), ("data", "tensor"))
-    target = {"w": jax.ShapeDtypeStruct((16, 4), np.float32, sharding=NamedSharding(mesh, P("tensor", "data"))),
-              "b": jax.ShapeDtypeStruct((8,), np.float32, sharding=NamedSharding(mesh, P()))}
-    step = {"step": jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(mesh, P()))}
-    params, optimizer, meta = Checkpoints(sys.argv[1]).restore(7, params_target=target, optimizer_target=step)
-    assert params["w"].sharding == target["w"].sharding, params["w"].sharding
-    assert len(params["w"].addressable_shards) == len(devices)
-    np.testing.assert_array_equal(np.asarray(params["w"]), np.arange(64.0).reshape(16, 4))
-    np.testing.assert_array_equal(np.asarray(params["b"]), np.arange(8.0))
-    assert int(optimizer["step"]) == 7 and meta == {"step": 7}
-    print("restored on", len(devices), "devices")
-""")
-
-
 @pytest.fixture(scope="module")
 def saved_on_eight_devices(tmp_path_factory):
     directory = tmp_path_factory.mktemp("sharded") / "ckpt"
-    saved = subprocess.run([sys.executable, "-c", _SAVE_SHARDED, str(directory)], env=cpu_env(8),
+    saved = subprocess.run(child("save_sharded", directory), env=cpu_env(8),
                            capture_output=True, text=True, timeout=120)
     assert saved.returncode == 0, saved.stderr[-3000:]
     return directory
@@ -176,7 +117,7 @@ def saved_on_eight_devices(tmp_path_factory):
 
 @pytest.mark.parametrize("devices", [8, 4])
 def test_restore_reshards_onto_another_mesh_and_device_count(saved_on_eight_devices, devices):
-    restored = subprocess.run([sys.executable, "-c", _RESTORE_ELSEWHERE, str(saved_on_eight_devices)],
+    restored = subprocess.run(child("restore_elsewhere", saved_on_eight_devices),
                               env=cpu_env(devices), capture_output=True, text=True, timeout=120)
     assert restored.returncode == 0, restored.stderr[-3000:]
     assert f"restored on {devices} devices" in restored.stdout

@@ -6,6 +6,7 @@ import re
 import pytest
 
 from mxc.compiler.topology import CHIPS, TopologyError, devices, parse
+from runtime_support import child
 
 
 @pytest.mark.parametrize("name,chips,shape", [
@@ -116,31 +117,6 @@ def test_v5e_past_a_pod_compiles_as_slices():
     assert len(two) == 512 and sorted({d.slice_index for d in two}) == [0, 1]
 
 
-HF_LLAMA = """
-import json, sys, numpy as np
-from pathlib import Path
-from safetensors.numpy import save_file
-d = Path(sys.argv[1]); d.mkdir(parents=True)
-H, L, NH, KV, HD, I, V = 64, 2, 4, 2, 16, 128, 128
-(d / "config.json").write_text(json.dumps({
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "num_hidden_layers": L,
-    "num_attention_heads": NH, "num_key_value_heads": KV, "head_dim": HD, "intermediate_size": I,
-    "vocab_size": V, "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-    "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32"}))
-w = lambda *s: np.full(s, 0.01, np.float32)
-t = {"model.embed_tokens.weight": w(V, H), "model.norm.weight": w(H), "lm_head.weight": w(V, H)}
-for i in range(L):
-    p = f"model.layers.{i}."
-    t.update({p + "self_attn.q_proj.weight": w(NH * HD, H), p + "self_attn.k_proj.weight": w(KV * HD, H),
-              p + "self_attn.v_proj.weight": w(KV * HD, H), p + "self_attn.o_proj.weight": w(H, NH * HD),
-              p + "mlp.gate_proj.weight": w(I, H), p + "mlp.up_proj.weight": w(I, H),
-              p + "mlp.down_proj.weight": w(H, I), p + "input_layernorm.weight": w(H),
-              p + "post_attention_layernorm.weight": w(H)})
-save_file(t, str(d / "model.safetensors"))
-np.save(d.parent / "tokens.npy", np.arange(16).reshape(2, 8))
-"""
-
-
 def test_commands_on_a_cpu_host_print_no_libtpu_noise(tmp_path):
     # libtpu, probed by jax on a host without TPUs, writes `E0000 ... unexpected worker
     # hostname` lines; a command that needs no TPU keeps it away, one that compiles hides it.
@@ -155,7 +131,7 @@ def test_commands_on_a_cpu_host_print_no_libtpu_noise(tmp_path):
     env.update(ALLOW_MULTIPLE_LIBTPU_LOAD="1", MXC_CACHE_DIR=str(tmp_path / "cache"),
                XLA_FLAGS="--xla_backend_optimization_level=0")
     (tmp_path / "text.txt").write_text("hello world, hello tokens\n")
-    subprocess.run([sys.executable, "-c", HF_LLAMA, str(tmp_path / "hf")], check=True)
+    subprocess.run(child("tiny_hf_llama", tmp_path / "hf"), check=True)
     steps = [
         (["import-hf", "hf", "-o", "imported"], 0),
         (["forward", "imported", "--tokens", "tokens.npy", "-o", "logits.npy"], 0),

@@ -17,33 +17,12 @@ from mxc.runtime.checkpoint import Checkpoints
 
 SAVE_EVERY = 2
 
-TRAIN_UNTIL_A_SAVE_FAILS = """
-import resource, signal, sys
-from bigram_run import LLAMA, bigram, token_file, train
-from mxc.runtime.checkpoint import Checkpoints, SaveError
-from mxc.runtime.loop import LoopConfig, StopSignal, TrainingRun
-directory, tokens = sys.argv[1], token_file(sys.argv[2])
-train(bigram(LLAMA), tokens, directory, 2)  # step 2 saved while writes still work
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-resource.setrlimit(resource.RLIMIT_FSIZE, (256, resource.RLIM_INFINITY))
-run = TrainingRun(bigram(LLAMA), tokens, Checkpoints(directory, keep=None),
-                  LoopConfig(steps=40, save_every=%d, progress=False))
-try:
-    with StopSignal(multi_process=False) as stop:
-        run.run(stop)
-except SaveError as err:
-    print(f"stopped at step {int(run.state['step'])}: {err}", flush=True)
-    sys.exit(3)
-finally:
-    run.close()
-""" % SAVE_EVERY
-
-
 def test_a_failed_background_save_stops_the_run_and_keeps_the_older_step(tmp_path):
     directory = tmp_path / "ckpt"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    child = subprocess.run([sys.executable, "-c", TRAIN_UNTIL_A_SAVE_FAILS, str(directory), str(tmp_path / "t.bin")],
+    program = Path(__file__).parents[1] / "children" / "train_until_a_save_fails.py"
+    child = subprocess.run([sys.executable, program, directory, tmp_path / "t.bin", str(SAVE_EVERY)],
                            capture_output=True, text=True, env=env, timeout=300)
     assert child.returncode == 3, child.stderr[-3000:]
     line = child.stdout.strip()
