@@ -161,9 +161,9 @@ class Checkpoints:
             self._scrub_commit_markers()  # closing may finish the newest step's commit
         finally:
             if self._lock is not None:
+                self._remove_if_unused()  # while the lock is held: no other run is starting in it
                 self._lock.close()  # closing the file releases the flock
                 self._lock = None
-                self._remove_if_unused()
 
     @contextlib.contextmanager
     def _save_errors(self):
