@@ -24,7 +24,7 @@ from runtime_support import (PYTHON, compile_tiny, corpus_files, cpu_env, free_p
 STEPS, SAVE_EVERY, KILL_AFTER = 24, 6, 14
 # The survivor learns of its peer's death from a failed collective or, at the latest, from the
 # coordination service's missed heartbeats; this bounds how long it may take to exit.
-HEARTBEAT_S, SURVIVOR_EXIT_S = 10, 120
+HEARTBEAT_S, SURVIVOR_EXIT_S = 10, 60
 
 pytestmark = pytest.mark.slow
 
@@ -79,11 +79,14 @@ def test_a_killed_process_stops_its_peer_and_the_run_resumes_bitwise(workdir, ar
     assert stopped_at < STEPS, "the run finished before a process was killed"
     saved = sorted(int(p.name) for p in (workdir / f"{name}_ckpt").iterdir() if p.name.isdigit())
     assert saved and saved[-1] >= SAVE_EVERY, saved
+    print(f"stopped at step {stopped_at}, checkpoints {saved}")
+
 
     resumed = _two_process_run(artifact, tokens, workdir, name)
     errors = _wait_all(resumed, timeout=600)
     assert [p.returncode for p in resumed] == [0, 0], errors
-    assert "resumed from step" in errors[0], errors[0][-4000:]
+    # From the newest checkpoint the killed run left, not from scratch (which would also match).
+    assert f"resumed from step {saved[-1]} " in errors[0], errors[0][-4000:]
 
     ref_metrics, ref_ckpt = reference
     expected = [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(ref_metrics)]
