@@ -299,3 +299,15 @@ def test_plan_defaults_to_compiles_shapes_and_verifies_cpu_topologies(tmp_path):
     # MaxText's recipe, as compile uses it: min(4096, max_seq) tokens, 4 sequences per chip.
     assert (result["seq"], result["batch"]) == (min(4096, load_model("llama3-tiny").max_seq), 4 * 8)
     assert result["xla"]["status"] == "fits", result["xla"]  # compiled for 8 host devices, not "unavailable"
+
+
+def test_xla_total_counts_the_temporaries_a_backend_peak_leaves_out():
+    from mxc.compiler.plan.plan import XlaMemory
+
+    # The CPU backend's peak covers the arguments but not the temporaries' block.
+    cpu = XlaMemory(parameters=100, optimizer_state=200, batch=10, temporaries=5000, outputs=0,
+                    generated_code=0, peak=320)
+    assert cpu.total == 5310
+    tpu = XlaMemory(parameters=100, optimizer_state=200, batch=10, temporaries=5000, outputs=40,
+                    generated_code=0, peak=5400)
+    assert tpu.total == 5400  # a peak that includes them is XLA's word

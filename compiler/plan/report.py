@@ -31,7 +31,7 @@ def memory_rows(plan: Plan) -> list[tuple[str, str, str]]:
             ("temporaries", _size(p.temporaries), ""),
             ("  XLA temporaries (gradients, activations, scratch)", "",
              _size(x and x.temporaries)),
-            ("batch, outputs, code", "", _size(x and (x.batch + x.outputs + x.generated_code))),
+            ("this device's tokens, outputs, code", "", _size(x and (x.batch + x.outputs + x.generated_code))),
             ("total", _size(p.total), _size(x and x.total))]
     if x is not None:
         rows.append(("predicted / XLA", f"{p.total / x.total:.3f}", ""))

@@ -11,6 +11,7 @@ import os
 import re
 import time
 
+from mxc.compiler.commands.units import size_bytes
 from mxc.compiler.plan.plan import MESH_AXES, OUT_OF_HBM, Plan, Verification, XlaMemory
 from mxc.compiler.topology import Topology, TopologyError, device_mesh, devices
 from mxc.compiler.xla_options import compiler_options
@@ -89,6 +90,6 @@ def verify(spec: ModelSpec, plan: Plan, topology: Topology, found: list | None =
         peak=getattr(stats, "peak_memory_in_bytes", 0) or 0)
     if memory.total > plan.hbm_bytes:
         return Verification(status="over_hbm", memory=memory, compile_seconds=seconds,
-                            reason=f"{OUT_OF_HBM}, its peak {memory.total / 2**30:.1f} GiB exceeds "
-                                   f"{plan.hbm_bytes / 2**30:.1f} GiB")
+                            reason=f"{OUT_OF_HBM}, its peak {size_bytes(memory.total)} exceeds "
+                                   f"{size_bytes(plan.hbm_bytes)}")
     return Verification(status="fits", memory=memory, compile_seconds=seconds)
