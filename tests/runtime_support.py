@@ -2,7 +2,8 @@
 
 The artifact is compiled in a child process by `mxc compile` itself (8 virtual CPU devices), with
 one change: a learning-rate schedule sized for a 60-step run (the command has no optimizer flags
-yet, and its default warms up over 1,000 steps). The compile cache makes later sessions reuse it.
+yet, and its default warms up over 1,000 steps). The session's compile cache (conftest.py) makes
+later tests of the same session reuse it.
 """
 
 from __future__ import annotations

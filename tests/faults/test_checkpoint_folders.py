@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -45,21 +46,10 @@ def test_a_refused_resume_keeps_the_checkpoint_folder(tmp_path):
     assert (tmp_path / "ckpt" / "2").is_dir()
 
 
-KILLED_AFTER_SAVE = """
-import os, signal, sys
-import jax.numpy as jnp
-from mxc.runtime.checkpoint import Checkpoints
-checkpoints = Checkpoints(sys.argv[1], keep=None, async_save=False)
-for step in (1, 2):
-    checkpoints.save(step, params={"w": jnp.arange(4.0) * step}, optimizer={"step": jnp.int32(step)},
-                     meta={"step": step})
-os.kill(os.getpid(), signal.SIGKILL)
-"""
-
-
 def test_a_marker_left_with_a_path_by_a_run_killed_with_9_is_scrubbed_when_the_folder_is_opened(tmp_path):
     directory = tmp_path / "ckpt"
-    child = subprocess.run([sys.executable, "-c", KILLED_AFTER_SAVE, str(directory)], capture_output=True,
+    program = Path(__file__).parents[1] / "children" / "killed_after_save.py"
+    child = subprocess.run([sys.executable, program, directory], capture_output=True,
                            text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
     assert child.returncode == -signal.SIGKILL, child.stderr
     markers = list(directory.glob("*/**/" + COMMIT_MARKER))
