@@ -342,10 +342,12 @@ def judged_plan(plan: Plan, train_step: Function | None, usable_hbm: int, second
     unjudged: compiling the artifact is the judgement)."""
     if train_step is None:
         return plan
+    from mxc.compiler.commands.units import size_bytes
+
     needed = train_step.memory.total_bytes
     status = "fits" if needed <= usable_hbm else "over_hbm"
-    reason = (f"mxc compile: the train step needs {needed / 2**30:.2f} GiB per device of "
-              f"{usable_hbm / 2**30:.2f} GiB usable")
+    reason = (f"mxc compile: the train step needs {size_bytes(needed)} per device of "
+              f"{size_bytes(usable_hbm)} usable")
     verdict = Verification(status=status, reason=reason, compile_seconds=round(seconds, 1))
     return plan.model_copy(update={"xla": verdict, "fits": status == "fits"})
 
