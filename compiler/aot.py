@@ -13,6 +13,7 @@ parameters stay one to one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -79,6 +80,20 @@ def _shapes(tree, dtype=None):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype), tree)
 
 
+def _traced_as_planned(plan: Plan, fn: Callable) -> Callable:
+    """fn, traced under the plan's lowering choices (not the tracing mesh's platform)."""
+    from mxc.compiler.lower.choices import use_lowering
+
+    choices = plan.lowering_choices()
+
+    @functools.wraps(fn)
+    def traced(*args):
+        with use_lowering(choices):
+            return fn(*args)
+
+    return traced
+
+
 def _register_kernels(plan: Plan) -> None:
     if plan.attention.startswith("splash"):
         import mxc.compiler.lower.splash  # noqa: F401  (registers the kernel with attention_core)
@@ -105,7 +120,7 @@ def train_step_function(spec: ModelSpec, plan: Plan, mesh: Mesh, optimizer: Opti
     # The plan's expert path (dropless, capacity, megablox) is what XLA's verdict was about.
     step = make_train_step(spec, optimizer, microbatches=plan.microbatches, remat=plan.remat,
                            attention_impl=plan.attention, moe=plan.moe_config())
-    return Traceable("train_step", step, ("state", "batch"), (abstract_train_state(spec, optimizer), batch),
+    return Traceable("train_step", _traced_as_planned(plan, step), ("state", "batch"), (abstract_train_state(spec, optimizer), batch),
                      (state_shardings, {key: tokens for key in batch}),
                      lambda out: (state_shardings, jax.tree.map(lambda _: replicated, out[1])), donate=(0,))
 
@@ -127,10 +142,10 @@ def model_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig) -> 
         return init_train_state(spec, opt, jax.random.key(seed))
 
     functions = [
-        Traceable("init", init, ("seed",), (jax.ShapeDtypeStruct((), jnp.int32),), (replicated,),
+        Traceable("init", _traced_as_planned(plan, init), ("seed",), (jax.ShapeDtypeStruct((), jnp.int32),), (replicated,),
                   lambda _: state_shardings),
         train_step,
-        Traceable("eval_step", eval_step, ("params", "batch"), (abstract_state.params, batch),
+        Traceable("eval_step", _traced_as_planned(plan, eval_step), ("params", "batch"), (abstract_state.params, batch),
                   (state_shardings.params, batch_shardings), lambda out: jax.tree.map(lambda _: replicated, out)),
     ]
     if run.serve:
@@ -151,7 +166,8 @@ def serve_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig, par
     tokens = named_sharding(("batch", "seq"), mesh, rules)
     rows = named_sharding(("batch",), mesh, rules)
     attention = "xla" if plan.attention.startswith("splash") else plan.attention  # decode never uses splash
-    run_prefill, run_decode = serving_steps(spec, batch, length, attention_impl=attention)
+    run_prefill, run_decode = (_traced_as_planned(plan, fn)
+                               for fn in serving_steps(spec, batch, length, attention_impl=attention))
 
     return [
         Traceable("prefill", run_prefill, ("params", "tokens", "lengths"),

@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec
 from pydantic import BaseModel, ConfigDict, NonNegativeFloat, PositiveFloat
 
 from mxc.compiler.lower import megablox
+from mxc.compiler.lower.choices import lowering_choices
 from mxc.compiler.lower.expert_rows import expert_ffn, sort_assignments
 from mxc.compiler.lower.ffn import ffn_layer, hidden_activation
 from mxc.compiler.lower.params import moe_defs, shared_expert_ffn
@@ -324,8 +325,7 @@ def _shard_index(names: tuple[str, ...], mesh) -> jax.Array:
 def _routed_megablox(moe: MoE, params: dict, x: jax.Array, config: MoEConfig) -> tuple[jax.Array, MoEStats]:
     """The dropless path with megablox's kernel, fully manual under sharding rules (see megablox.py)."""
     active = active_rules()
-    platform = (active[0].devices.flat[0].platform if active is not None else jax.default_backend())
-    interpret = platform != "tpu"
+    interpret = lowering_choices().interpret_kernels
     identity = lambda v: v  # noqa: E731
     if active is None:
         path = _megablox_path(jnp.zeros((), jnp.int32), jnp.bool_(True), interpret)

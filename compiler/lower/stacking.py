@@ -16,18 +16,18 @@ import contextvars
 import jax.numpy as jnp
 import numpy as np
 
+from mxc.compiler.lower.choices import lowering_choices
 from mxc.compiler.lower.sharding import active_rules, partition_spec
 
 _FORCED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("mxc_stacked_projections", default=None)
 
 
 def stacked_projections() -> bool:
-    """True when compiling for a TPU mesh (or when forced, for tests)."""
+    """The plan's choice (compiler/lower/choices.py: stacked for TPUs), or forced, for tests."""
     forced = _FORCED.get()
     if forced is not None:
         return forced
-    active = active_rules()
-    return active is not None and active[0].devices.flat[0].platform == "tpu"
+    return lowering_choices().stacked_projections
 
 
 @contextlib.contextmanager

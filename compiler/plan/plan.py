@@ -117,6 +117,14 @@ def spec_hash(spec) -> str:
     return canonical_hash(spec.model_dump(mode="json"))
 
 
+class Lowering(_Value):
+    """Choices of the lowering that depend on the target (compiler/lower/choices.py), kept in
+    the plan so that the plan file alone decides the program."""
+
+    stacked_projections: bool
+    interpret_kernels: bool
+
+
 class Plan(_Value):
     format_version: int = FORMAT_VERSION
     model: str
@@ -137,6 +145,7 @@ class Plan(_Value):
     # MoE layers: mxc.compiler.lower.moe's expert path and capacity factor (None without experts)
     expert_path: str | None = None
     capacity_factor: float | None = None
+    lowering: Lowering | None = None  # None in plans saved before it was kept: the chip's platform decides
     pins: dict[str, int] = {}
     fits: bool  # XLA says so; or, where XLA could not judge, the prediction does
     predicted: Memory
@@ -191,6 +200,15 @@ class Plan(_Value):
         if self.expert_path is None:
             return MoEConfig()
         return MoEConfig(path=self.expert_path, capacity_factor=self.capacity_factor)
+
+    def lowering_choices(self):
+        """The choices the program's functions are traced under (mxc.compiler.lower.choices)."""
+        from mxc.compiler.lower.choices import LoweringChoices
+        from mxc.compiler.topology import CHIPS
+
+        if self.lowering is None:
+            return LoweringChoices.for_platform(CHIPS[self.chip].platform)
+        return LoweringChoices(**self.lowering.model_dump())
 
     def rules_tuples(self) -> dict[str, tuple[str, ...]]:
         """The rules in the form mxc.compiler.lower.sharding takes."""

@@ -15,7 +15,7 @@ from mxc.compiler.plan.candidates import (Scored, attention_for, choices, descri
 from mxc.compiler.plan.choice import Choice
 from mxc.compiler.plan.explain import Verdicts
 from mxc.compiler.plan.layout import parameters
-from mxc.compiler.plan.plan import MESH_AXES, Plan, Verification, spec_hash
+from mxc.compiler.plan.plan import MESH_AXES, Lowering, Plan, Verification, spec_hash
 from mxc.compiler.plan.rules import make_rules
 from mxc.compiler.topology import Topology
 from mxc.spec.ir import ModelSpec
@@ -154,8 +154,14 @@ def _plan_value(spec, topology: Topology, seq: int, batch: int, pins, item: Scor
         mesh=dict(choice.mesh), dcn=dict(choice.dcn),
         rules={k: list(v) for k, v in choice.rules.items()}, remat=choice.remat,
         microbatches=choice.microbatches, attention=choice.attention, expert_path=choice.expert_path,
-        capacity_factor=choice.capacity_factor, pins=dict(pins), fits=fits_now,
+        capacity_factor=choice.capacity_factor, lowering=_lowering_for(topology), pins=dict(pins), fits=fits_now,
         predicted=item.memory, serving_kv_cache=memory.kv_cache_bytes(choice, seq), xla=verdict, time=item.time)
+
+
+def _lowering_for(topology: Topology) -> Lowering:
+    from mxc.compiler.lower.choices import LoweringChoices
+
+    return Lowering(**vars(LoweringChoices.for_platform(topology.platform)))
 
 
 def _nothing_enumerated(spec: ModelSpec, topology: Topology, batch: int, pins) -> str:

@@ -1,0 +1,53 @@
+"""Choices of the lowering that depend on the target, fixed by the plan.
+
+A plan records them (Plan.lowering) and the program's functions are traced under
+`use_lowering`, so the plan file, not the mesh or the backend that happens to trace it, decides
+the program. Code traced without a plan (`mxc forward`, `mxc generate MODEL`, tests) gets the
+choice for the platform of its mesh, or of the default backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+import jax
+
+
+@dataclass(frozen=True)
+class LoweringChoices:
+    stacked_projections: bool  # projections of one input as one matmul over stacked kernels
+    interpret_kernels: bool  # Pallas kernels (megablox) in the interpreter, as off a TPU
+
+    @classmethod
+    def for_platform(cls, platform: str) -> "LoweringChoices":
+        # TPUs: one larger matmul suits the MXUs and compiles faster; on CPUs the stacked copy of
+        # the weights costs more than the shared matmul saves (docs/compile.md). Pallas's Mosaic
+        # kernels compile only for TPUs; elsewhere they run in its interpreter.
+        return cls(stacked_projections=platform == "tpu", interpret_kernels=platform != "tpu")
+
+
+_PLANNED: contextvars.ContextVar[LoweringChoices | None] = contextvars.ContextVar("mxc_lowering", default=None)
+
+
+@contextlib.contextmanager
+def use_lowering(choices: LoweringChoices):
+    token = _PLANNED.set(choices)
+    try:
+        yield
+    finally:
+        _PLANNED.reset(token)
+
+
+def lowering_choices() -> LoweringChoices:
+    """The plan's choices where a plan's function is being traced; else those of the platform of
+    the active mesh (or of the default backend)."""
+    planned = _PLANNED.get()
+    if planned is not None:
+        return planned
+    from mxc.compiler.lower.sharding import active_rules
+
+    active = active_rules()
+    platform = active[0].devices.flat[0].platform if active is not None else jax.default_backend()
+    return LoweringChoices.for_platform(platform)
