@@ -10,33 +10,23 @@ matmul saves, so there the projections stay apart. The results are the same eith
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
 
-from mxc.compiler.lower.choices import lowering_choices
+from mxc.compiler.lower.choices import lowering_choices, use_lowering
 from mxc.compiler.lower.sharding import active_rules, partition_spec
-
-_FORCED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("mxc_stacked_projections", default=None)
 
 
 def stacked_projections() -> bool:
-    """The plan's choice (compiler/lower/choices.py: stacked for TPUs), or forced, for tests."""
-    forced = _FORCED.get()
-    if forced is not None:
-        return forced
+    """The plan's choice (compiler/lower/choices.py: stacked for TPUs)."""
     return lowering_choices().stacked_projections
 
 
-@contextlib.contextmanager
 def force_stacked_projections(value: bool):
-    token = _FORCED.set(value)
-    try:
-        yield
-    finally:
-        _FORCED.reset(token)
+    """A context with the choice set either way (tests compare the two programs)."""
+    return use_lowering(dataclasses.replace(lowering_choices(), stacked_projections=value))
 
 
 def project_pair(x, first: dict, second: dict, dtype, pattern: str) -> tuple:
