@@ -41,3 +41,15 @@ def test_topologies_show_hbm_and_usable_in_the_same_unit_and_precision(capsys):
     row = next(line for line in capsys.readouterr().out.splitlines() if " v5p " in line)
     cells = [c.strip() for c in re.split(r"[│|]", row) if c.strip()]
     assert cells[2:4] == ["95.00", "95.73"]
+
+
+def test_compile_progress_picks_the_unit_of_each_time():
+    from rich.console import Console
+
+    from mxc.compiler.commands.compile import ProgressView
+
+    console = Console(record=True, width=120)
+    view = ProgressView(console)
+    view.end("train_step: compile", 0.0183, 42.0)
+    line = console.export_text()
+    assert "18.3 ms" in line and "(cpu 42 s)" in line, line

@@ -15,6 +15,7 @@ import time
 
 from mxc.compiler.commands import UserError
 from mxc.compiler.commands.plan import add_planning_arguments, parse_pins, planning_shapes
+from mxc.compiler.commands.units import duration
 TRAIN_FUNCTIONS = ("init", "train_step", "eval_step")
 SERVE_FUNCTIONS = ("prefill", "decode")
 
@@ -191,7 +192,7 @@ class ProgressView:
     def end(self, label: str, seconds: float, cpu_seconds: float) -> None:
         if self.status is not None:
             self.status.stop()
-        self.console.print(f"  [green]done[/] {label:<32} {seconds:7.1f} s  (cpu {cpu_seconds:.1f} s)")
+        self.console.print(f"  [green]done[/] {label:<32} {duration(seconds):>9}  (cpu {duration(cpu_seconds)})")
 
 
 def _attached(topology, devices: list):
@@ -270,7 +271,7 @@ def handler(args: argparse.Namespace) -> int:
     else:
         render(summary, Console())
         Console().print(("reused the compile cache's artifact" if cached else "compiled")
-                        + f" in {summary['seconds']:.1f} s")
+                        + f" in {duration(summary['seconds'])}")
     return 0
 
 
