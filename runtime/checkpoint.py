@@ -200,10 +200,13 @@ class Checkpoints:
         only checks that the file exists)."""
         if self._lock is None:
             return  # process 0 rewrites for everyone
-        for marker in self.directory.glob("*/**/" + COMMIT_MARKER):
-            step = marker.relative_to(self.directory).parts[0]
-            if step.isdigit() and int(step) != skip and marker.read_text() != COMMIT_TEXT:
-                marker.write_text(COMMIT_TEXT)
+        # Only committed steps: orbax may be removing a crashed save's temporary folder meanwhile.
+        for step in self.directory.iterdir():
+            if not step.name.isdigit() or int(step.name) == skip:
+                continue
+            for marker in step.glob("**/" + COMMIT_MARKER):
+                if marker.read_text() != COMMIT_TEXT:
+                    marker.write_text(COMMIT_TEXT)
 
 
 def check_same_spec(what: str, recorded: dict | None, expected: dict) -> None:

@@ -41,10 +41,13 @@ def run_mxc(base: Path, *args: str, timeout: int = 900, **env: str) -> subproces
                           timeout=timeout)
 
 
-def child_report(name: str, *args: str, env: dict, timeout: int = 900) -> dict:
-    """The child program tests/children/NAME.py run with ARGS in environment `env` (device flags
-    must be set before jax is imported): the JSON object it prints last."""
-    done = subprocess.run(child(name, *args), env=env, capture_output=True, text=True, timeout=timeout)
+def child_report(program: str, *args: str, env: dict | None = None, timeout: int = 900, **extra: str) -> dict:
+    """A child program run with ARGS: tests/children/PROGRAM.py, or a test module given by its path
+    (one that runs its own check under `__main__`), in environment `env` (default: this one) plus
+    `extra` (device flags must be set before jax is imported): the JSON object it prints last."""
+    command = [sys.executable, program, *args] if program.endswith(".py") else child(program, *args)
+    done = subprocess.run(command, env={**(os.environ if env is None else env), **extra}, capture_output=True,
+                          text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
