@@ -79,7 +79,7 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of generation, defined once: `python -m mxc.runtime generate` and `mxc generate`
     (with a spec or an artifact) take exactly these."""
     parser.add_argument("--prompt-tokens", required=True, metavar="PROMPT.npy",
-                        help="int ids in a .npy of shape (requests, prompt)")
+                        help="int ids in a .npy of shape (requests, prompt); -1 ids end a shorter row")
     parser.add_argument("--max-new", required=True, type=positive, metavar="N", help="new tokens per request")
     parser.add_argument("--greedy", action="store_true", help="take the most likely token (the default)")
     parser.add_argument("--temperature", type=float, metavar="T", help="sample at temperature T")
