@@ -190,7 +190,19 @@ def _import_in_background(module: str) -> None:
     import importlib
     import threading
 
-    threading.Thread(target=importlib.import_module, args=(module,), name=f"import {module}", daemon=True).start()
+    thread = threading.Thread(target=importlib.import_module, args=(module,), name=f"import {module}", daemon=True)
+    thread.start()
+    _BACKGROUND_IMPORTS.append(thread)
+
+
+# Joined before the process exits: an interpreter that shuts down while a thread is still inside
+# a C++ extension's import (tensorstore, under orbax) aborts with "terminate called".
+_BACKGROUND_IMPORTS: list = []
+
+
+def _finish_background_imports() -> None:
+    for thread in _BACKGROUND_IMPORTS:
+        thread.join()
 
 
 def _load(args):
@@ -326,6 +338,13 @@ def _record_modules() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    finally:
+        _finish_background_imports()
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

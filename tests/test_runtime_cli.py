@@ -80,3 +80,16 @@ def test_cluster_detection_fills_in_count_and_id():
 def test_inconsistent_flags_are_refused(arguments, message):
     with pytest.raises(ValueError, match=message):
         setup_from(*arguments, environ={})
+
+
+def test_the_runtime_exits_only_after_its_background_imports(tmp_path, monkeypatch):
+    """An interpreter that shuts down while a thread is inside a C++ extension's import aborts
+    ("terminate called", exit -6, seen under load after a one-line error): main joins them first."""
+    from mxc.runtime import cli
+
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(1.0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cli, "_BACKGROUND_IMPORTS", [])
+    cli._import_in_background("slow_to_import")
+    assert cli.main(["no-such-command"]) != 0
+    assert not any(thread.is_alive() for thread in cli._BACKGROUND_IMPORTS)
