@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from mxc.runtime.artifact import MANIFEST_NAME, ArtifactError, Manifest, sha256_hex
-from mxc.runtime.artifact_reader import read_manifest, read_verified
+from mxc.runtime.artifact_reader import read_verified, replaceable_files
 from mxc.runtime.file_modes import current_umask
 from mxc.runtime.signing import SIGNATURE_NAME
 
@@ -44,12 +44,12 @@ def _check_replaceable_artifact(destination: Path) -> None:
     replacing the folder would delete that file."""
     refusal = "refusing to replace it, even with --force"
     try:
-        manifest = read_manifest(destination)
+        listed = replaceable_files(destination)
     except ArtifactError as err:
         raise ArtifactExistsError(f"{destination} exists and is not an mxc artifact ({err}); {refusal}") from None
     present = {path.relative_to(destination).as_posix() for path in destination.rglob("*")
                if path.is_file() or path.is_symlink()}
-    unlisted = sorted(present - set(manifest.files) - {MANIFEST_NAME, SIGNATURE_NAME})
+    unlisted = sorted(present - listed - {MANIFEST_NAME, SIGNATURE_NAME})
     if unlisted:
         shown = ", ".join(unlisted[:5]) + (f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else "")
         raise ArtifactExistsError(f"{destination} is an mxc artifact but also holds files its manifest does "

@@ -91,6 +91,29 @@ def read_manifest(directory: str | Path, raw: bytes | None = None) -> Manifest:
         raise ArtifactError(f"{path} does not follow artifact format {FORMAT_VERSION}: {problems}") from None
 
 
+def replaceable_files(directory: str | Path) -> set[str]:
+    """The files listed by the manifest of an mxc artifact of this format or an older one (its
+    manifest_sha256 checked): what `mxc compile --force` may replace. An artifact too old to run
+    is still ours to replace with a new build."""
+    directory = Path(directory)
+    path = directory / MANIFEST_NAME
+    try:
+        data = parse_json(_manifest_bytes(directory), path)
+    except JsonFileError as err:
+        raise ArtifactError(str(err)) from None
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{path} is not a JSON object: expected an artifact manifest")
+    try:
+        found = ArtifactFormatField.model_validate(data).format_version
+    except ValidationError:
+        raise ArtifactError(f"{path} has no integer format_version: expected {FORMAT_VERSION}") from None
+    if found >= FORMAT_VERSION:
+        return set(read_manifest(directory).files)
+    if data.get("manifest_sha256") != manifest_digest(data) or not isinstance(data.get("files"), dict):
+        raise ArtifactError(f"{path} is corrupt or was modified (artifact format {found})")
+    return set(data["files"])
+
+
 def _listed_files(directory: Path) -> set[str]:
     found = set()
     for path in directory.rglob("*"):

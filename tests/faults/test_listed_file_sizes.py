@@ -60,3 +60,31 @@ def test_an_artifact_of_the_format_before_sizes_asks_for_a_rebuild(artifact):
     _rewrite(artifact, lambda data: data.update(format_version=FORMAT_VERSION - 1))
     with pytest.raises(ArtifactError, match=r"no longer reads.*compile the model again"):
         read_manifest(artifact)
+
+
+def _older_format(data: dict) -> None:
+    data.update(format_version=FORMAT_VERSION - 1)
+    data.pop("file_sizes", None)
+
+
+def test_force_replaces_an_artifact_of_an_older_format(artifact):
+    """Too old to run, but still ours: `mxc compile --force` rebuilds it in place (the README's
+    main job does that after an upgrade)."""
+    _rewrite(artifact, _older_format)
+    write_artifact(artifact, _manifest(), {"weights.bin": b"new"}, force=True)
+    assert read_manifest(artifact).format_version == FORMAT_VERSION
+    assert (artifact / "weights.bin").read_bytes() == b"new"
+
+
+@pytest.mark.parametrize("damage", ["digest", "unlisted file"])
+def test_force_still_refuses_an_older_artifact_it_cannot_vouch_for(artifact, damage):
+    from mxc.compiler.artifact_writer import ArtifactExistsError
+
+    _rewrite(artifact, _older_format)
+    if damage == "digest":
+        path = artifact / "manifest.json"
+        path.write_text(path.read_text().replace('"weights.bin"', '"other.bin"', 1))
+    else:
+        (artifact / "notes.txt").write_text("the user's")
+    with pytest.raises(ArtifactExistsError, match="refusing to replace it, even with --force"):
+        write_artifact(artifact, _manifest(), {"weights.bin": b"new"}, force=True)
