@@ -57,10 +57,8 @@ def _manifest_bytes(directory: Path) -> bytes:
         raise ArtifactError(str(err)) from None
 
 
-def read_manifest(directory: str | Path, raw: bytes | None = None) -> Manifest:
-    """The manifest (from `raw`, its bytes already read, if given), its format version checked
-    first and then its schema."""
-    directory = Path(directory)
+def _manifest_data(directory: Path, raw: bytes | None = None) -> tuple[Path, dict, int]:
+    """(manifest path, its JSON object, its format version), read with bounds, before any schema."""
     path = directory / MANIFEST_NAME
     raw = _manifest_bytes(directory) if raw is None else raw
     try:
@@ -73,6 +71,14 @@ def read_manifest(directory: str | Path, raw: bytes | None = None) -> Manifest:
         found = ArtifactFormatField.model_validate(data).format_version
     except ValidationError:
         raise ArtifactError(f"{path} has no integer format_version: expected {FORMAT_VERSION}") from None
+    return path, data, found
+
+
+def read_manifest(directory: str | Path, raw: bytes | None = None) -> Manifest:
+    """The manifest (from `raw`, its bytes already read, if given), its format version checked
+    first and then its schema."""
+    directory = Path(directory)
+    path, data, found = _manifest_data(directory, raw)
     if found > FORMAT_VERSION:
         raise ArtifactError(f"{directory} has artifact format {found}, newer than this mxc reads: expected "
                             f"format {FORMAT_VERSION}, found {found}; upgrade mxc to run it")
@@ -96,17 +102,7 @@ def replaceable_files(directory: str | Path) -> set[str]:
     manifest_sha256 checked): what `mxc compile --force` may replace. An artifact too old to run
     is still ours to replace with a new build."""
     directory = Path(directory)
-    path = directory / MANIFEST_NAME
-    try:
-        data = parse_json(_manifest_bytes(directory), path)
-    except JsonFileError as err:
-        raise ArtifactError(str(err)) from None
-    if not isinstance(data, dict):
-        raise ArtifactError(f"{path} is not a JSON object: expected an artifact manifest")
-    try:
-        found = ArtifactFormatField.model_validate(data).format_version
-    except ValidationError:
-        raise ArtifactError(f"{path} has no integer format_version: expected {FORMAT_VERSION}") from None
+    path, data, found = _manifest_data(directory)
     if found >= FORMAT_VERSION:
         return set(read_manifest(directory).files)
     if data.get("manifest_sha256") != manifest_digest(data) or not isinstance(data.get("files"), dict):
