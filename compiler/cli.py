@@ -33,7 +33,9 @@ COMMAND_MODULES = [
     "mxc.compiler.commands.run",
     "mxc.compiler.commands.generate",
     "mxc.compiler.commands.forward",
+    "mxc.compiler.commands.eval_accuracy",
     "mxc.compiler.commands.import_hf",
+    "mxc.compiler.commands.import_gguf",
     "mxc.compiler.commands.export_hf",
     "mxc.compiler.commands.completion",
 ]
@@ -47,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="The commands in the order of the workflow: write and check a spec (check, show, fmt, "
                "schema); plan and compile it for a topology (topologies, plan, compile, inspect); "
                "train and run it (tokenize, run, generate, forward); move checkpoints to and from "
-               "HuggingFace (import-hf, export-hf). `mxc COMMAND --help` says more.")
+               "HuggingFace (import-hf, export-hf) and import llama.cpp GGUF files (import-gguf). `mxc COMMAND --help` says more.")
     parser.add_argument("--version", action="version", version=f"mxc {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     for name in COMMAND_MODULES:

@@ -217,12 +217,15 @@ def config_dtype(cfg: dict) -> str:
 
 
 def spec_from_config(cfg: dict, name: str, param_dtype: str | None = None) -> ModelSpec:
-    """The ModelSpec of a HF causal LM config. param_dtype defaults to the config's dtype."""
+    """The ModelSpec of a HF causal LM config. param_dtype defaults to the config's dtype; the
+    compute dtype is the parameters' (a float32 checkpoint computes in float32: on CPU, bfloat16
+    compute is emulated by converting the weights at every step)."""
     from mxc.compiler.hf.families import converter_for_model_type
 
     converter = converter_for_model_type(cfg.get("model_type"))
     if converter is not None:
-        return converter.spec_from_config(cfg, name, param_dtype)
+        spec = converter.spec_from_config(cfg, name, param_dtype)
+        return spec.model_copy(update={"compute_dtype": spec.param_dtype})
     kind = model_type(cfg)
     family = FAMILIES[kind]
     if cfg.get("use_bidirectional_attention"):
@@ -237,5 +240,5 @@ def spec_from_config(cfg: dict, name: str, param_dtype: str | None = None) -> Mo
         embedding=Embedding(tied=tied, scale="sqrt_d_model" if family.gemma else "none"),
         final_norm=RMSNorm(eps=cfg.get("rms_norm_eps", 1e-6), zero_centered=family.gemma),
         final_softcap=cfg.get("final_logit_softcapping") if family.final_softcap else None,
-        param_dtype=dtype, compute_dtype="bfloat16",
+        param_dtype=dtype, compute_dtype=dtype,
         blocks={n: b for n, b in zip(names, blocks)}, layers=tuple(segments(names)))
