@@ -238,13 +238,14 @@ def test_remat_names_are_the_layer_codes_names():
 
 @pytest.mark.parametrize("name,kept,offloaded", [
     ("full", set(), 0),
-    ("save_qkv", {"query_proj", "key_proj", "value_proj"}, 0),
-    ("attention_out", {"attention_out"}, 0),
-    ("save_attention", {"query_proj", "key_proj", "value_proj", "attention_context", "attention_out"}, 0),
-    ("minimal", {"query_proj", "key_proj", "value_proj", "attention_context", "attention_out",
-                 "mlp_in", "mlp_out"}, 0),
-    ("minimal_offloaded", set(), 7),
-    ("save_qkv_offloaded", set(), 3),
+    ("save_qkv_proj", {"query_proj", "key_proj", "value_proj"}, 0),
+    ("save_out_proj", {"out_proj"}, 0),
+    ("save_dot_with_context_except_mlp", {"query_proj", "key_proj", "value_proj", "context", "out_proj"}, 0),
+    ("save_dot_except_mlpwi", {"query_proj", "key_proj", "value_proj", "out_proj", "mlpwo"}, 0),
+    ("save_dot_except_mlp", {"query_proj", "key_proj", "value_proj", "out_proj"}, 0),
+    ("qkv_proj_offloaded", set(), 3),
+    ("save_qkv", {"query_proj", "key_proj", "value_proj"}, 0),  # an earlier plan's name
+    ("custom:decoder_layer_input=offload,query_proj=device,out_proj=remat", {"query_proj"}, 1),
 ])
 def test_policies_keep_what_their_names_say(name, kept, offloaded, capsys):
     from jax.ad_checkpoint import checkpoint_name
@@ -265,7 +266,7 @@ def test_policies_keep_what_their_names_say(name, kept, offloaded, capsys):
 def test_unknown_policy_lists_the_known_ones():
     from mxc.compiler.lower import remat
 
-    with pytest.raises(ValueError, match="choose one of none, full, minimal"):
+    with pytest.raises(ValueError, match="choose one of none, full, minimal, "):
         remat.policy("everything")
     assert remat.policy("none") is None
 

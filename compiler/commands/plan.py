@@ -40,12 +40,17 @@ class _RematPolicies:
 
     @staticmethod
     def _names() -> tuple[str, ...]:
-        from mxc.compiler.plan.activations import POLICIES
+        from mxc.compiler.lower.remat import POLICY_NAMES
 
-        return tuple(POLICIES)
+        return POLICY_NAMES
 
     def __contains__(self, name) -> bool:
-        return name in self._names()
+        from mxc.compiler.lower.remat import saved
+
+        try:  # a custom policy's settings are checked too
+            return saved(name) is not None
+        except ValueError:
+            return False
 
     def __iter__(self):
         return iter(self._names())

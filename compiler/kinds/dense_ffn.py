@@ -41,9 +41,9 @@ class DenseFFN(FeedForwardKind):
         """From the input projections on, with `shape` rows of hidden units (MoE experts have more)."""
         act = choice.compute_bytes
         b, s, d = choice.microbatch, choice.seq, choice.spec.d_model
-        return ([Intermediate("mlp_in", shape, axes, act) for _ in range(self.input_projections)]
+        return ([Intermediate("mlpwi", shape, axes, act) for _ in range(self.input_projections)]
                 + [Intermediate("mlp_activation", shape, axes, act), Intermediate("mlp_hidden", shape, axes, act),
-                   Intermediate("mlp_out", (b, s, d), ("batch", "seq", "embed"), act)])
+                   Intermediate("mlpwo", (b, s, d), ("batch", "seq", "embed"), act)])
 
     def hidden(self, ffn, gate, up):
         """The hidden units from the input projections' outputs (gate is None for one input)."""

@@ -3,8 +3,8 @@ MLA layers have their own (mla.py); each kind's apply is bound in mxc.compiler.k
 
 The same function serves training (no cache) and inference (a cache slice per layer); only
 where the keys come from differs. Intermediates a remat policy may keep are named with
-`checkpoint_name`: query_proj, key_proj, value_proj, attention_context (the core's output) and
-attention_out (after the output projection).
+`checkpoint_name`: query_proj, key_proj, value_proj, context (the core's output) and
+out_proj (after the output projection).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from mxc.compiler.lower.rope import apply_rope, rope_angles
 from mxc.compiler.lower.sharding import constrain
 from mxc.compiler.lower.stacking import heads_unsplit, project_joined, project_pair, stacked_projections
 
-CHECKPOINT_NAMES = ("query_proj", "key_proj", "value_proj", "attention_context", "attention_out")
+CHECKPOINT_NAMES = ("query_proj", "key_proj", "value_proj", "context", "out_proj")
 
 
 def _project(x, params, dtype, pattern):
@@ -80,7 +80,7 @@ def attention_layer(att, params: dict, x: jax.Array, positions: jax.Array, *, ca
     context = attend(q, k, v, q_positions=positions, kv_positions=kv_positions, scale=scalar ** -0.5,
                      window=att.window, chunk=att.chunk, softcap=att.softcap,
                      sinks=params.get("sinks"), impl=impl)
-    context = checkpoint_name(context, "attention_context")
+    context = checkpoint_name(context, "context")
     out = _project(context, params["o"], dtype, "bshd,hde->bse")
-    out = checkpoint_name(constrain(out, ("batch", "seq", "embed")), "attention_out")
+    out = checkpoint_name(constrain(out, ("batch", "seq", "embed")), "out_proj")
     return out, new_cache

@@ -8,6 +8,7 @@ returns them, `block_layer` drops them.
 from __future__ import annotations
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 from mxc.compiler.kinds import kind_of
 from mxc.compiler.lower.moe import MoEConfig, MoEStats
@@ -31,6 +32,8 @@ def block_layer_with_stats(block: Block, params: dict, x: jax.Array, positions: 
                            cache_positions: jax.Array | None = None, impl: str = "xla",
                            moe: MoEConfig = MoEConfig()) -> tuple[jax.Array, dict | None, MoEStats | None]:
     """(x after the layer, its updated cache slice, its MoEStats or None for a dense feed-forward)."""
+    # Named so a remat policy can offload the layer's input (MaxText's main memory lever).
+    x = checkpoint_name(x, "decoder_layer_input")
     h = _shared_input(apply_norm(block.norm, params["attention_norm"], x))
     h, new_cache = kind_of(block.attention).apply(block.attention, params["attention"], h, positions, cache=cache,
                                                   cache_index=cache_index, cache_positions=cache_positions,

@@ -39,8 +39,8 @@ def expert_ffn(moe: MoE, params: dict, sorted_rows: SortedAssignments, tokens: i
                project: Callable[[str, jax.Array], jax.Array]) -> jax.Array:
     """The experts' feed-forward on the sorted rows, `project(name, inputs)` being one grouped
     matmul (with bias); then unsorted and summed per token: [tokens, embed]."""
-    gate = checkpoint_name(project("gate", sorted_rows.rows), "mlp_in") if "gate" in params else None
-    hidden = hidden_activation(moe.expert, gate, checkpoint_name(project("up", sorted_rows.rows), "mlp_in"))
+    gate = checkpoint_name(project("gate", sorted_rows.rows), "mlpwi") if "gate" in params else None
+    hidden = hidden_activation(moe.expert, gate, checkpoint_name(project("up", sorted_rows.rows), "mlpwi"))
     out = project("down", hidden)
     if moe.router.weight_on != "input":
         out = out * sorted_rows.weights

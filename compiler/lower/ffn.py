@@ -1,6 +1,6 @@
 """Dense feed-forward layers: MLP, GLU and GPT-OSS's clamped SwiGLU (their kinds: kinds/dense_ffn.py).
 
-Named checkpoints: mlp_in (the input projections' outputs) and mlp_out (the down projection's).
+Named checkpoints: mlpwi (the input projections' outputs) and mlpwo (the down projection's).
 `hidden_activation` is the part between the projections, shared with the MoE experts (moe.py).
 """
 
@@ -16,7 +16,7 @@ from mxc.compiler.lower.param_def import UnsupportedError
 from mxc.compiler.lower.sharding import constrain
 from mxc.compiler.lower.stacking import project_pair, stacked_projections
 
-CHECKPOINT_NAMES = ("mlp_in", "mlp_out")
+CHECKPOINT_NAMES = ("mlpwi", "mlpwo")
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -66,13 +66,13 @@ def ffn_layer(ffn, params: dict, x: jax.Array) -> jax.Array:
     dtype = x.dtype
     hidden_axes = ("batch", "seq", "mlp")
     if "gate" in params and stacked_projections():
-        gate, up = (checkpoint_name(constrain(y, hidden_axes), "mlp_in")
+        gate, up = (checkpoint_name(constrain(y, hidden_axes), "mlpwi")
                     for y in project_pair(x, params["gate"], params["up"], dtype, "...i,iko->k...o"))
     else:
-        up = checkpoint_name(_linear(x, params["up"], dtype, hidden_axes), "mlp_in")
+        up = checkpoint_name(_linear(x, params["up"], dtype, hidden_axes), "mlpwi")
         gate = None
         if "gate" in params:
-            gate = checkpoint_name(_linear(x, params["gate"], dtype, hidden_axes), "mlp_in")
+            gate = checkpoint_name(_linear(x, params["gate"], dtype, hidden_axes), "mlpwi")
     hidden = hidden_activation(ffn, gate, up)
     out = _linear(hidden, params["down"], dtype, ("batch", "seq", "embed"))
-    return checkpoint_name(out, "mlp_out")
+    return checkpoint_name(out, "mlpwo")

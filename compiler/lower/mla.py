@@ -127,7 +127,7 @@ def mla_layer(att: MLA, params: dict, x: jax.Array, positions: jax.Array, *, cac
                 scale=scalar ** -0.5 * softmax_scale_correction(att.rope), softcap=att.softcap,
                 sinks=params.get("sinks"), impl=impl)
     form = _absorbed if absorb else _expanded
-    context = checkpoint_name(form(att, params, q_nope, q_rope, latent, k_rope, dtype, **core), "attention_context")
+    context = checkpoint_name(form(att, params, q_nope, q_rope, latent, k_rope, dtype, **core), "context")
     out = _project(context, params["o"], dtype, "bshd,hde->bse")
-    out = checkpoint_name(constrain(out, ("batch", "seq", "embed")), "attention_out")
+    out = checkpoint_name(constrain(out, ("batch", "seq", "embed")), "out_proj")
     return out, new_cache

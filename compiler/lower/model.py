@@ -29,7 +29,7 @@ from mxc.compiler.lower.norms import apply_norm
 from mxc.compiler.lower.sharding import constrain
 from mxc.spec.ir import ModelSpec, Segment
 
-CHECKPOINT_NAMES = attention.CHECKPOINT_NAMES + ffn.CHECKPOINT_NAMES
+CHECKPOINT_NAMES = ("decoder_layer_input",) + attention.CHECKPOINT_NAMES + ffn.CHECKPOINT_NAMES
 
 
 def embed(spec: ModelSpec, params: dict, tokens: jax.Array, dtype) -> jax.Array:

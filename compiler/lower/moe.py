@@ -164,7 +164,7 @@ def _dense(moe: MoE, params: dict, x: jax.Array, routing: Routing, config: MoECo
         y = jnp.einsum(pattern, inputs, params[name]["kernel"].astype(dtype))
         if "bias" in params[name]:
             y = y + params[name]["bias"].astype(dtype)
-        return checkpoint_name(y, "mlp_in")
+        return checkpoint_name(y, "mlpwi")
 
     gate = project("gate") if "gate" in params else None
     hidden = hidden_activation(moe.expert, gate, project("up"))
@@ -227,8 +227,8 @@ def _capacity(moe: MoE, params: dict, x: jax.Array, routing: Routing, config: Mo
             y = y + params[name]["bias"].astype(dtype)[None, :, None, :]
         return y
 
-    gate = checkpoint_name(project("gate", expert_in, "becd,edh->bech"), "mlp_in") if "gate" in params else None
-    up = checkpoint_name(project("up", expert_in, "becd,edh->bech"), "mlp_in")
+    gate = checkpoint_name(project("gate", expert_in, "becd,edh->bech"), "mlpwi") if "gate" in params else None
+    up = checkpoint_name(project("up", expert_in, "becd,edh->bech"), "mlpwi")
     out = project("down", hidden_activation(moe.expert, gate, up), "bech,ehd->becd")
     out = constrain(out, ("batch", "experts", None, "embed"))
     y = jnp.einsum("becd,bsec->bsd", out, dispatch if on_input else combine)
@@ -303,7 +303,7 @@ def moe_layer(moe: MoE, params: dict, x: jax.Array, config: MoEConfig = MoEConfi
                                  check_vma=False)(routed_params, x)
     if moe.shared_experts:
         y = y + ffn_layer(shared_expert_ffn(moe), params["shared"], x)
-    return checkpoint_name(constrain(y, ("batch", "seq", "embed")), "mlp_out"), stats
+    return checkpoint_name(constrain(y, ("batch", "seq", "embed")), "mlpwo"), stats
 
 
 def _megablox_path(first_expert, first_of_hidden, interpret: bool):

@@ -7,51 +7,68 @@ logical axes, so a Choice turns them into one device's bytes.
 
 from __future__ import annotations
 
+import functools
+
 from mxc.compiler.kinds import kind_of
 from mxc.compiler.kinds.base import Intermediate
 from mxc.compiler.plan.choice import Choice
 from mxc.spec.ir import Block
 
 QKV = ("query_proj", "key_proj", "value_proj")
-NAMED = (*QKV, "attention_context", "attention_out", "mlp_in", "mlp_out")
-
-# policy -> (kept on device, offloaded to host). The layer's input, the scan's carry, is always
-# kept: jax.checkpoint saves a function's inputs.
-POLICIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "none": (("*",), ()),  # everything autodiff would keep
-    "full": ((), ()),
-    "minimal": (NAMED, ()),
-    "save_qkv": (QKV, ()),
-    "attention_out": (("attention_out",), ()),
-    "save_attention": ((*QKV, "attention_context", "attention_out"), ()),
-    # jax's dots_with_no_batch_dims_saveable: every projection, not the attention core's products
-    "dots": ((*QKV, "attention_out", "mlp_in", "mlp_out"), ()),
-    "minimal_offloaded": ((), NAMED),
-    "save_qkv_offloaded": ((), QKV),
-}
+# The intermediates each checkpoint name tags (the names are the lowering's, remat.py; the layer
+# input is the one a policy may offload rather than keep).
+TAGGED = {"decoder_layer_input": "layer_input", **{name: name for name in (*QKV, "context", "out_proj",
+                                                                              "mlpwi", "mlpwo")}}
+# What jax's dots_with_no_batch_dims policy (MaxText's "minimal") keeps: every projection, not
+# the attention core's products.
+DOTS = (*QKV, "out_proj", "mlpwi", "mlpwo")
 
 # Intermediates the backward pass never reads, whatever is kept: the feed-forward's output only
 # joins the residual stream (the next layer keeps that sum as its input).
-NEVER_READ = frozenset({"mlp_out"})
+NEVER_READ = frozenset({"mlpwo"})
 # What plain autodiff (no remat) does not keep either: RoPE is linear, so its inputs are not
 # needed, and the attention output is needed only through the residual sum, which is kept.
-NOT_KEPT_WITHOUT_REMAT = NEVER_READ | {"query_proj", "key_proj", "attention_out"}
+NOT_KEPT_WITHOUT_REMAT = NEVER_READ | {"query_proj", "key_proj", "out_proj"}
 
-# Matmuls the backward pass recomputes under each policy (their outputs were not kept and are
-# needed again). The output projections of attention and of the feed-forward feed only the
-# residual stream; under "full" the attention one is redone (the feed-forward's norm needs the
-# sum), the feed-forward one never is. "core" is attention's QK^T and AV.
-RECOMPUTED: dict[str, tuple[str, ...]] = {
-    "none": (),
-    "full": ("qkv", "core", "out", "mlp_in"),
-    "minimal": (),
-    "save_qkv": ("core", "out", "mlp_in"),
-    "attention_out": ("qkv", "core", "mlp_in"),
-    "save_attention": ("mlp_in",),
-    "dots": ("core",),
-    "minimal_offloaded": (),
-    "save_qkv_offloaded": ("core", "out", "mlp_in"),
-}
+
+@functools.lru_cache(maxsize=256)
+def kept_names(policy: str) -> tuple[frozenset[str], frozenset[str]]:
+    """(intermediates kept on device, intermediates offloaded to host) under a remat policy; "*"
+    on device: everything autodiff would keep. The layer's input is kept on device unless the
+    policy offloads it (jax.checkpoint saves a function's inputs; the layer code names it)."""
+    from mxc.compiler.lower.remat import saved
+
+    kept = saved(policy)
+    if kept.everything:
+        return frozenset({"*"}), frozenset()
+    device = {TAGGED[name] for name in kept.device}
+    host = {TAGGED[name] for name in kept.host}
+    if kept.dots:
+        (device if kept.dots == "device" else host).update(DOTS)
+    if "layer_input" not in host:
+        device.add("layer_input")
+    return frozenset(device), frozenset(host)
+
+
+class _Recomputed(dict):
+    """Matmuls the backward pass recomputes under each policy (their outputs were not kept and
+    are needed again), by policy name, any name remat.policy accepts. "core" is attention's QK^T
+    and AV; the output projections of attention and of the feed-forward feed only the residual
+    stream, so the feed-forward's is never redone and attention's only where out_proj is not
+    kept."""
+
+    def __missing__(self, policy: str) -> tuple[str, ...]:
+        device, host = kept_names(policy)
+        kept = device | host
+        if "*" in kept:
+            return ()
+        groups = {"qkv": not set(QKV) <= kept, "core": "context" not in kept, "out": "out_proj" not in kept,
+                  "mlp_in": "mlpwi" not in kept}
+        self[policy] = tuple(group for group, redone in groups.items() if redone)
+        return self[policy]
+
+
+RECOMPUTED: dict[str, tuple[str, ...]] = _Recomputed()
 
 
 def intermediates(block: Block, choice: Choice) -> list[Intermediate]:
@@ -78,8 +95,8 @@ def intermediates(block: Block, choice: Choice) -> list[Intermediate]:
         # The XLA path materialises the probabilities, in float32.
         out.append(Intermediate("attention_probabilities", (b, att.heads, s, s), ("batch", "heads", "seq", None), 4))
     out += [
-        Intermediate("attention_context", (b, s, att.heads, v_dim), (*tokens, "heads", "head_dim"), act),
-        Intermediate("attention_out", (b, s, d), (*tokens, "embed"), act),
+        Intermediate("context", (b, s, att.heads, v_dim), (*tokens, "heads", "head_dim"), act),
+        Intermediate("out_proj", (b, s, d), (*tokens, "embed"), act),
         Intermediate("attention_residual", (b, s, d), (*tokens, "embed"), act),
         Intermediate("mlp_norm_out", (b, s, d), (*tokens, "embed"), act),
     ]
@@ -100,12 +117,11 @@ def intermediate_bytes(block_name: str, choice: Choice) -> dict[str, int]:
 
 def layer_bytes(block_name: str, choice: Choice, policy: str) -> tuple[int, int]:
     """(device bytes, host bytes) one layer of a kind keeps for the backward pass under `policy`."""
-    kept, offloaded = POLICIES[policy]
+    kept, offloaded = kept_names(policy)
     sizes = intermediate_bytes(block_name, choice)
     if "*" in kept:
         return sum(size for name, size in sizes.items() if name not in NOT_KEPT_WITHOUT_REMAT), 0
-    device = sum(size for name, size in sizes.items()
-                 if name == "layer_input" or (name in kept and name not in NEVER_READ))
+    device = sum(size for name, size in sizes.items() if name in kept and name not in NEVER_READ)
     return device, sum(size for name, size in sizes.items() if name in offloaded and name not in NEVER_READ)
 
 

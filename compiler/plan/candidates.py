@@ -9,7 +9,7 @@ from typing import Iterator, Mapping, NamedTuple
 
 from mxc.compiler.commands.units import size_bytes
 from mxc.compiler.kinds import kind_of
-from mxc.compiler.plan import activations, cost, memory
+from mxc.compiler.plan import cost, memory
 from mxc.compiler.plan.choice import Choice
 from mxc.compiler.plan.layout import Parameters
 from mxc.compiler.plan.plan import MESH_AXES, Memory, StepTime
@@ -41,9 +41,17 @@ def divisors(n: int) -> list[int]:
 
 
 def remat_policies(topology: Topology) -> list[str]:
-    from mxc.compiler.lower.remat import POLICY_NAMES, needs_host_memory
+    from mxc.compiler.lower.remat import CUSTOM, POLICY_NAMES, custom, needs_host_memory
 
-    names = [name for name in POLICY_NAMES if name in activations.POLICIES]
+    offload = "offload"
+    names = [name for name in POLICY_NAMES if name != CUSTOM] + [
+        # MaxText's custom recipes: each layer's input offloaded, alone or with the attention
+        # projections (Llama 3.1 70B on v6e: q/k/v; 8B and 405B: q/k/v and out).
+        custom(decoder_layer_input=offload),
+        custom(decoder_layer_input=offload, query_proj=offload, key_proj=offload, value_proj=offload),
+        custom(decoder_layer_input=offload, query_proj=offload, key_proj=offload, value_proj=offload,
+               out_proj=offload),
+    ]
     # Offloading to host memory is a TPU feature of XLA here; other targets keep everything on device.
     return [name for name in names if topology.platform == "tpu" or not needs_host_memory(name)]
 
@@ -125,8 +133,10 @@ def fits(item: Scored, hbm: int) -> bool:
 
 
 def rank(item: Scored) -> tuple:
+    from mxc.compiler.lower.remat import needs_host_memory
+
     # Fastest first; at equal speed fewer microbatches, no offloading, then less memory.
-    return (round(item.time.step_s, 6), item.choice.microbatches, item.choice.remat.endswith("offloaded"),
+    return (round(item.time.step_s, 6), item.choice.microbatches, needs_host_memory(item.choice.remat),
             item.memory.total)
 
 
