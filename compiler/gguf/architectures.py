@@ -136,8 +136,10 @@ def hf_config(gguf: GGUFFile, param_dtype: str) -> dict:
     if arch.gemma:
         cfg["hidden_activation"] = "gelu_pytorch_tanh"
         cfg["hidden_act"] = "gelu_pytorch_tanh"
-        # llama.cpp scales Gemma 2/3 queries by 1/sqrt(key_length): query_pre_attn_scalar = head_dim.
-        cfg["query_pre_attn_scalar"] = cfg["head_dim"]
+        # llama.cpp scales Gemma 2/3 queries by 1/sqrt(key_length), but the 27B models (46 and 62
+        # layers) by 1/sqrt(hidden / heads) (llama-model.cpp, f_attention_scale).
+        big = (arch.model_type, cfg["num_hidden_layers"]) in (("gemma2", 46), ("gemma3_text", 62))
+        cfg["query_pre_attn_scalar"] = cfg["hidden_size"] // heads if big else cfg["head_dim"]
         if arch.model_type == "gemma3_text":
             cfg["rope_local_base_freq"] = 10_000.0
             cfg["sliding_window_pattern"] = int(meta.get(prefix + "attention.sliding_window_pattern", 6))

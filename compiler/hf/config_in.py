@@ -34,11 +34,13 @@ class Family:
     mlp_bias: bool = False  # config.mlp_bias exists
     tied_default: bool = False
     final_softcap: bool = False  # final_logit_softcapping
+    qkv_bias: bool = False  # biases on q, k and v always (Qwen2), none on o
 
 
 FAMILIES = {
     "llama": Family(mlp_bias=True),
     "mistral": Family(attention_bias=False),
+    "qwen2": Family(attention_bias=False, qkv_bias=True),
     "qwen3": Family(qk_norm=True),
     "gemma": Family(gemma=True, tied_default=True),
     "gemma2": Family(gemma=True, post_norm=True, attention_softcap=True, scalar=True,
@@ -77,7 +79,7 @@ def layer_types(cfg: dict, kind: str) -> list[str]:
         types = list(cfg["layer_types"])
     elif kind == "mistral":
         types = [SLIDING if cfg.get("sliding_window") else FULL] * n
-    elif kind == "qwen3":
+    elif kind in ("qwen2", "qwen3"):
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         first = cfg.get("max_window_layers", 28)
         types = [SLIDING if window is not None and i >= first else FULL for i in range(n)]
@@ -159,7 +161,7 @@ def block_from_config(cfg: dict, kind: str, layer_type: str) -> Block:
     norm = RMSNorm(eps=eps, zero_centered=family.gemma)
     bias = bool(cfg.get("attention_bias", False)) if family.attention_bias else False
     fields = dict(heads=heads, head_dim=head_dim, rope=rope_from_config(cfg, kind, layer_type),
-                  qkv_bias=bias, out_bias=bias)
+                  qkv_bias=bias or family.qkv_bias, out_bias=bias)
     if layer_type == SLIDING:
         fields["window"] = cfg["sliding_window"]
     if family.qk_norm:
