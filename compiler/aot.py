@@ -158,7 +158,10 @@ def serve_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig, par
     from mxc.compiler.lower.decode import cache_axes, init_cache, serving_steps
     from mxc.compiler.lower.sharding import tree_shardings
 
+    from mxc.compiler.quant.params import serving_params
+
     rules = plan.rules_tuples()
+    params, params_shardings = serving_params(spec, params, params_shardings)  # quantized weights, if any
     batch, length = run.serve_batch, run.cache_len
     cache = jax.eval_shape(lambda: init_cache(spec, batch, length))
     cache_shardings = tree_shardings(cache_axes(spec), mesh, rules)

@@ -28,6 +28,7 @@ COMMAND_MODULES = [
     "mxc.compiler.commands.topologies",
     "mxc.compiler.commands.plan",
     "mxc.compiler.commands.compile",
+    "mxc.compiler.commands.quantize",
     "mxc.compiler.commands.inspect",
     "mxc.compiler.commands.tokenize",
     "mxc.compiler.commands.run",

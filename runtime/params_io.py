@@ -22,7 +22,8 @@ def save_params(path: str | Path, params) -> Path:
 
 def load_params(path: str | Path, target=None):
     """Read parameters saved by save_params. With `target` (a pytree of jax.ShapeDtypeStruct) the
-    result has exactly that structure, shapes, dtypes and shardings."""
+    result has exactly that structure, shapes, dtypes and shardings; a float checkpoint read for
+    a quantized target is quantized as it loads (runtime/quantize_at_load.py)."""
     import jax
     import orbax.checkpoint as ocp
 
@@ -34,7 +35,14 @@ def load_params(path: str | Path, target=None):
         return checkpointer.restore(path)
     saved = checkpointer.metadata(path)
     saved = getattr(saved, "item_metadata", saved)
-    _check_matches(getattr(saved, "tree", saved), target)
+    saved = getattr(saved, "tree", saved)
+    from mxc.runtime import quantize_at_load
+
+    if quantize_at_load.needs_quantizing(saved, target):
+        floats = quantize_at_load.float_target(saved, target)
+        _check_matches(saved, floats)
+        return quantize_at_load.quantized_like(checkpointer.restore(path, jax.tree.map(_abstract, floats)), target)
+    _check_matches(saved, target)
     return checkpointer.restore(path, jax.tree.map(_abstract, target))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_serializer
 
 LOGICAL_AXES = ("batch", "seq", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp",
                 "experts", "layers", "q_lora", "kv_lora", "cache_seq")
@@ -20,6 +20,16 @@ LogicalAxis = Literal["batch", "seq", "embed", "vocab", "heads", "kv_heads", "he
 MeshAxis = Literal["data", "fsdp", "tensor", "expert", "context", "stage"]
 DType = Literal["float32", "bfloat16", "float16"]
 Activation = Literal["silu", "gelu", "gelu_tanh", "relu"]
+
+
+def _quantization_name(name: str) -> str:
+    from mxc.compiler.quant.config import parse  # plain Python, no JAX
+
+    return parse(name).name
+
+
+# A serving precision a model ships with (docs/quantization.md), e.g. "int8" or "int8+int8-kv".
+QuantizationName = Annotated[str, AfterValidator(_quantization_name)]
 
 
 class Node(BaseModel):
@@ -265,6 +275,15 @@ class ModelSpec(Node):
     mtp: MTP | None = None
     shard: dict[LogicalAxis, tuple[MeshAxis, ...]] = {}
     mesh: dict[MeshAxis, PositiveInt] = {}
+    quantize: QuantizationName | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unset_quantize(self, handler):
+        # Absent unless given, so specs without it keep their canonical JSON and spec hashes.
+        data = handler(self)
+        if data.get("quantize", 0) is None:
+            del data["quantize"]
+        return data
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:

@@ -38,6 +38,10 @@ def register(subparsers) -> None:
                         help="sequences decoded together (default: one per device of the batch axes)")
     parser.add_argument("--prompt-len", type=int, metavar="P", help="prefill length (default: half the cache)")
     parser.add_argument("--cache-len", type=int, metavar="L", help="KV cache length (default: the seq)")
+    parser.add_argument("--quantize", metavar="CONFIG",
+                        help="quantization: fp32, bf16, int8, w8a8, int4, int4-mlp, fp8, int8-kv, or a weight "
+                             "configuration+int8-kv (default: the spec's quantize field, else none; "
+                             "docs/quantization.md)")
     parser.add_argument("--functions", metavar="NAME,...",
                         help="compile only these (of init, train_step, eval_step, prefill, decode)")
     parser.add_argument("-o", "--output", metavar="DIR", help="artifact directory (default: build/MODEL-T)")
@@ -237,6 +241,7 @@ def handler(args: argparse.Namespace) -> int:
     stages = Stages(view.start, view.end)
     with stages.stage("load model"):
         spec = load_one(args.model, args.overrides)
+    spec = with_quantization(spec, args.quantize)
     suffix = f"x{topology.slices}" if topology.slices > 1 else ""
     output = args.output or os.path.join("build", f"{spec.name}-{topology.name}{suffix}")
     try:
@@ -273,6 +278,19 @@ def handler(args: argparse.Namespace) -> int:
         Console().print(("reused the compile cache's artifact" if cached else "compiled")
                         + f" in {duration(summary['seconds'])}")
     return 0
+
+
+def with_quantization(spec, name: str | None):
+    """The spec with --quantize's configuration (recorded in the manifest's spec), else as it is."""
+    if name is None:
+        return spec
+    from mxc.compiler.quant.config import QuantizationError, parse
+
+    try:
+        config = parse(name)
+    except QuantizationError as err:
+        raise UserError(f"--quantize: {err}") from None
+    return spec.model_copy(update={"quantize": config.name})
 
 
 def _devices(topology) -> list:

@@ -15,6 +15,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mxc.compiler.lower.attention_core import attend
 from mxc.compiler.lower.norms import apply_norm
+from mxc.compiler.lower.projection import project
+from mxc.compiler.quant import kv_cache
 from mxc.compiler.lower.rope import apply_rope, rope_angles
 from mxc.compiler.lower.sharding import constrain
 from mxc.compiler.lower.stacking import heads_unsplit, project_joined, project_pair, stacked_projections
@@ -23,10 +25,7 @@ CHECKPOINT_NAMES = ("query_proj", "key_proj", "value_proj", "context", "out_proj
 
 
 def _project(x, params, dtype, pattern):
-    y = jnp.einsum(pattern, x, params["kernel"].astype(dtype))
-    if "bias" in params:
-        y = y + params["bias"].astype(dtype)
-    return y
+    return project(x, params, pattern, dtype)
 
 
 def _temperature(tuning, positions):
@@ -67,14 +66,9 @@ def attention_layer(att, params: dict, x: jax.Array, positions: jax.Array, *, ca
     new_cache = None
     kv_positions = positions
     if cache is not None:
-        start = (0, cache_index, 0, 0)
-        k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), start)
-        v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), start)
-        k = constrain(k, ("batch", "cache_seq", "kv_heads", "head_dim"))
-        v = constrain(v, ("batch", "cache_seq", "kv_heads", "head_dim"))
-        new_cache = {"k": k, "v": v}
+        new_cache = kv_cache.written(cache, {"k": k, "v": v}, cache_index)  # int8 caches quantize here
         kv_positions = cache_positions
-        k, v = k.astype(dtype), v.astype(dtype)
+        k, v = kv_cache.read(new_cache, "k", dtype), kv_cache.read(new_cache, "v", dtype)
 
     scalar = att.query_pre_attn_scalar if att.query_pre_attn_scalar is not None else att.head_dim
     context = attend(q, k, v, q_positions=positions, kv_positions=kv_positions, scale=scalar ** -0.5,

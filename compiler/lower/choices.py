@@ -19,6 +19,7 @@ import jax
 class LoweringChoices:
     stacked_projections: bool  # projections of one input as one matmul over stacked kernels
     interpret_kernels: bool  # Pallas kernels (megablox) in the interpreter, as off a TPU
+    quantization: str = "fp32"  # compiler/quant/config.py's name; set from the spec's `quantize`
 
     @classmethod
     def for_platform(cls, platform: str) -> "LoweringChoices":

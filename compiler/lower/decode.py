@@ -26,19 +26,21 @@ import jax.numpy as jnp
 from mxc.compiler.kinds import kind_of
 from mxc.compiler.lower.attention_core import EMPTY_SLOT
 from mxc.compiler.lower.model import forward
+from mxc.compiler.quant import kv_cache
 from mxc.spec.ir import ModelSpec
 
 
-def _layer_cache_entries(att, batch: int, length: int) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-    """One layer's cache arrays, unstacked: name -> (shape, logical axes), as its kind states them."""
-    return kind_of(att).cache_entries(att, batch, length)
+def _layer_cache_entries(att, batch: int, length: int, spec=None) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """One layer's cache arrays, unstacked: name -> (shape, logical axes), as its kind states them
+    (with their scales where the spec stores the cache int8: compiler/quant/kv_cache.py)."""
+    return kv_cache.with_scales(kind_of(att).cache_entries(att, batch, length), spec)
 
 
 def init_cache(spec: ModelSpec, batch: int, length: int, dtype=None) -> dict:
     """An empty cache for `length` tokens (prompt plus everything to be generated)."""
     dtype = jnp.dtype(dtype or spec.compute_dtype)
-    segments = [[{entry: jnp.zeros((seg.repeat, *shape), dtype) for entry, (shape, _) in
-                  _layer_cache_entries(spec.blocks[name].attention, batch, length).items()}
+    segments = [[{entry: jnp.zeros((seg.repeat, *shape), kv_cache.entry_dtype(entry, dtype, spec)) for entry, (shape, _) in
+                  _layer_cache_entries(spec.blocks[name].attention, batch, length, spec).items()}
                  for name in seg.period] for seg in spec.layers]
     return {"index": jnp.zeros((), jnp.int32),
             "positions": jnp.full((batch, length), EMPTY_SLOT, jnp.int32),
@@ -49,7 +51,7 @@ def cache_axes(spec: ModelSpec) -> dict:
     """Logical axes of every cache entry (same tree as init_cache)."""
     return {"index": (), "positions": ("batch", "cache_seq"),
             "segments": [[{entry: ("layers", *axes) for entry, (_, axes) in
-                           _layer_cache_entries(spec.blocks[name].attention, 1, 1).items()}
+                           _layer_cache_entries(spec.blocks[name].attention, 1, 1, spec).items()}
                           for name in seg.period] for seg in spec.layers]}
 
 

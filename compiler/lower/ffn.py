@@ -13,6 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 from mxc.compiler.kinds import kind_of
 from mxc.compiler.kinds.dense_ffn import DenseFFN
 from mxc.compiler.lower.param_def import UnsupportedError
+from mxc.compiler.lower.projection import project
 from mxc.compiler.lower.sharding import constrain
 from mxc.compiler.lower.stacking import project_pair, stacked_projections
 
@@ -54,10 +55,7 @@ def hidden_activation(ffn, gate: jax.Array | None, up: jax.Array) -> jax.Array:
 
 
 def _linear(x, params, dtype, axes):
-    y = jnp.einsum("...i,io->...o", x, params["kernel"].astype(dtype))
-    if "bias" in params:
-        y = y + params["bias"].astype(dtype)
-    return constrain(y, axes)
+    return constrain(project(x, params, "...i,io->...o", dtype, mlp=True), axes)
 
 
 def ffn_layer(ffn, params: dict, x: jax.Array) -> jax.Array:
@@ -67,7 +65,7 @@ def ffn_layer(ffn, params: dict, x: jax.Array) -> jax.Array:
     hidden_axes = ("batch", "seq", "mlp")
     if "gate" in params and stacked_projections():
         gate, up = (checkpoint_name(constrain(y, hidden_axes), "mlpwi")
-                    for y in project_pair(x, params["gate"], params["up"], dtype, "...i,iko->k...o"))
+                    for y in project_pair(x, params["gate"], params["up"], dtype, "...i,iko->k...o", mlp=True))
     else:
         up = checkpoint_name(_linear(x, params["up"], dtype, hidden_axes), "mlpwi")
         gate = None

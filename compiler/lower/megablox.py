@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from mxc.compiler.lower.expert_rows import expert_ffn, sort_assignments
+from mxc.compiler.lower.projection import weight
 from mxc.spec.ir import MoE
 
 ROW_TILE = 128  # rows per kernel tile; the sorted rows are padded to a multiple of it
@@ -67,8 +68,8 @@ def dropless_rows(moe: MoE, params: dict, x: jax.Array, experts: jax.Array, weig
     local = jnp.clip(local, 0, local_experts - 1)
 
     def project(name, inputs):
-        y = grouped_matmul(inputs, params[name]["kernel"].astype(dtype), sorted_rows.group_sizes, first_expert,
-                           interpret)
+        y = grouped_matmul(inputs, weight(params[name], dtype, mlp=True, contracting=(1,)), sorted_rows.group_sizes,
+                           first_expert, interpret)
         if "bias" in params[name]:
             here = is_local & first_of_hidden if name == "down" else is_local
             y = y + jnp.where(here[:, None], params[name]["bias"].astype(dtype)[local], 0)

@@ -37,16 +37,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mxc.compiler.lower.attention_core import attend
 from mxc.compiler.lower.norms import apply_norm
+from mxc.compiler.lower.projection import project, weight
 from mxc.compiler.lower.rope import apply_rope, rope_angles, softmax_scale_correction
 from mxc.compiler.lower.sharding import constrain
 from mxc.spec.ir import MLA
 
 
 def _project(x, params, dtype, pattern):
-    y = jnp.einsum(pattern, x, params["kernel"].astype(dtype))
-    if "bias" in params:
-        y = y + params["bias"].astype(dtype)
-    return y
+    return project(x, params, pattern, dtype)
 
 
 def _query(att: MLA, params: dict, x: jax.Array) -> jax.Array:
@@ -59,7 +57,7 @@ def _query(att: MLA, params: dict, x: jax.Array) -> jax.Array:
 
 def _expansions(att: MLA, params: dict, dtype) -> tuple[jax.Array, jax.Array]:
     """k_b [kv_lora, heads, nope] and v_b [kv_lora, heads, v], cut from the fused kv_b."""
-    kv_b = params["kv_b"]["kernel"].astype(dtype)
+    kv_b = weight(params["kv_b"], dtype)
     return kv_b[..., :att.qk_nope_head_dim], kv_b[..., att.qk_nope_head_dim:]
 
 

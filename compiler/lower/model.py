@@ -23,9 +23,9 @@ import jax.numpy as jnp
 
 from mxc.compiler.lower import attention, ffn
 from mxc.compiler.lower.block import RESIDUAL_AXES, block_layer_with_stats
-from mxc.compiler.lower.embedding import lookup
 from mxc.compiler.lower.moe import MoEConfig
 from mxc.compiler.lower.norms import apply_norm
+from mxc.compiler.lower.projection import embedded, head_params, project, quantized_as_spec
 from mxc.compiler.lower.sharding import constrain
 from mxc.spec.ir import ModelSpec, Segment
 
@@ -33,7 +33,7 @@ CHECKPOINT_NAMES = ("decoder_layer_input",) + attention.CHECKPOINT_NAMES + ffn.C
 
 
 def embed(spec: ModelSpec, params: dict, tokens: jax.Array, dtype) -> jax.Array:
-    x = lookup(params["embed"]["embedding"], tokens, dtype)
+    x = embedded(params["embed"], tokens, dtype)
     if spec.embedding.scale == "sqrt_d_model":
         # Gemma rounds the scale to the activation dtype before multiplying.
         x = x * jnp.asarray(math.sqrt(spec.d_model), dtype)
@@ -45,15 +45,12 @@ def logits_from_hidden(spec: ModelSpec, params: dict, x: jax.Array) -> jax.Array
     return output_head(spec, params, apply_norm(spec.final_norm, params["final_norm"], x))
 
 
+@quantized_as_spec
 def output_head(spec: ModelSpec, params: dict, x: jax.Array) -> jax.Array:
     """The output head (tied or not) and soft-cap on normalised x; float32 logits [batch, seq, vocab].
     DeepSeek V3's multi-token prediction modules share it with the main model."""
-    if spec.embedding.tied:
-        logits = jnp.einsum("bse,ve->bsv", x, params["embed"]["embedding"].astype(x.dtype),
-                            preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.einsum("bse,ev->bsv", x, params["head"]["kernel"].astype(x.dtype),
-                            preferred_element_type=jnp.float32)
+    logits = project(x, head_params(params, spec.embedding.tied),
+                     "bse,ve->bsv" if spec.embedding.tied else "bse,ev->bsv", x.dtype, out_dtype=jnp.float32)
     if spec.final_softcap is not None:
         logits = jnp.tanh(logits / spec.final_softcap) * spec.final_softcap
     return constrain(logits, ("batch", "seq", "vocab"))
@@ -93,6 +90,7 @@ def forward_with_aux(spec: ModelSpec, params: dict, tokens: jax.Array, **kwargs)
     return logits_from_hidden(spec, params, x), new_cache, moe_stats
 
 
+@quantized_as_spec
 def decoder_hidden(spec: ModelSpec, params: dict, tokens: jax.Array, *, positions: jax.Array | None = None,
                    cache: dict | None = None, remat_policy=None, attention_impl: str = "xla",
                    dtype=None, moe: MoEConfig = MoEConfig()) -> tuple[jax.Array, dict | None, list]:

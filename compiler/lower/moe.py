@@ -47,6 +47,7 @@ from mxc.compiler.lower.choices import lowering_choices
 from mxc.compiler.lower.expert_rows import expert_ffn, sort_assignments
 from mxc.compiler.lower.ffn import ffn_layer, hidden_activation
 from mxc.compiler.lower.params import moe_defs, shared_expert_ffn
+from mxc.compiler.lower.projection import project as project_kernel, weight as kernel_weight
 from mxc.compiler.lower.sharding import active_rules, constrain, partition_spec, use_rules
 from mxc.spec.ir import MoE, ModelSpec, Router
 
@@ -161,16 +162,11 @@ def _dense(moe: MoE, params: dict, x: jax.Array, routing: Routing, config: MoECo
 
     def project(name):
         pattern = "ted,edh->teh" if on_input else "td,edh->teh"
-        y = jnp.einsum(pattern, inputs, params[name]["kernel"].astype(dtype))
-        if "bias" in params[name]:
-            y = y + params[name]["bias"].astype(dtype)
-        return checkpoint_name(y, "mlpwi")
+        return checkpoint_name(project_kernel(inputs, params[name], pattern, dtype, mlp=True), "mlpwi")
 
     gate = project("gate") if "gate" in params else None
     hidden = hidden_activation(moe.expert, gate, project("up"))
-    out = jnp.einsum("teh,ehd->ted", hidden, params["down"]["kernel"].astype(dtype))
-    if "bias" in params["down"]:
-        out = out + params["down"]["bias"].astype(dtype)
+    out = project_kernel(hidden, params["down"], "teh,ehd->ted", dtype, mlp=True)
     scale = selected if on_input else weight
     return jnp.einsum("ted,te->td", out, scale.astype(dtype)), jnp.zeros((), jnp.float32)
 
@@ -182,7 +178,8 @@ def _dropless_rows(moe: MoE, params: dict, x: jax.Array, experts: jax.Array, wei
     sorted_rows = sort_assignments(moe, x, experts, weights)
 
     def project(name, inputs):
-        y = jax.lax.ragged_dot(inputs, params[name]["kernel"].astype(dtype), sorted_rows.group_sizes)
+        y = jax.lax.ragged_dot(inputs, kernel_weight(params[name], dtype, mlp=True, contracting=(1,)),
+                               sorted_rows.group_sizes)
         if "bias" in params[name]:
             y = y + params[name]["bias"].astype(dtype)[sorted_rows.experts]
         return y
@@ -222,7 +219,8 @@ def _capacity(moe: MoE, params: dict, x: jax.Array, routing: Routing, config: Mo
     expert_in = constrain(expert_in, ("batch", "experts", None, "embed"))
 
     def project(name, inputs, pattern):
-        y = jnp.einsum(pattern, inputs, params[name]["kernel"].astype(dtype))
+        y = project_kernel(inputs, {k: v for k, v in params[name].items() if k != "bias"}, pattern, dtype,
+                           mlp=True)
         if "bias" in params[name]:
             y = y + params[name]["bias"].astype(dtype)[None, :, None, :]
         return y

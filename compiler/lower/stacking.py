@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mxc.compiler.lower.choices import lowering_choices, use_lowering
+from mxc.compiler.lower.projection import weight
 from mxc.compiler.lower.sharding import active_rules, partition_spec
 
 
@@ -29,11 +30,12 @@ def force_stacked_projections(value: bool):
     return use_lowering(dataclasses.replace(lowering_choices(), stacked_projections=value))
 
 
-def project_pair(x, first: dict, second: dict, dtype, pattern: str) -> tuple:
+def project_pair(x, first: dict, second: dict, dtype, pattern: str, mlp: bool = False) -> tuple:
     """Two projections of x from one matmul over their kernels (the same shape) stacked on a new
     axis 1, which keeps each kernel's sharding. `pattern` is the einsum with that axis named in the
-    kernel and leading the output, e.g. "bse,ekhd->kbshd"; each projection's bias is added."""
-    kernel = jnp.stack([first["kernel"].astype(dtype), second["kernel"].astype(dtype)], axis=1)
+    kernel and leading the output, e.g. "bse,ekhd->kbshd"; each projection's bias is added.
+    Quantized kernels are dequantized first (projection.weight; `mlp`: the feed-forward's)."""
+    kernel = jnp.stack([weight(first, dtype, mlp=mlp), weight(second, dtype, mlp=mlp)], axis=1)
     return _with_biases(jnp.einsum(pattern, x, kernel), (first, second), dtype)
 
 
@@ -51,7 +53,7 @@ def project_joined(x, projections: list[dict], dtype, pattern: str) -> tuple:
     """Projections of x from one matmul over their kernels joined along axis 1, where their
     shapes may differ (the heads of [embed, heads, head_dim]); `pattern` puts that axis third in
     the output, e.g. "bse,ehd->bshd". Each projection's bias is added to its part."""
-    kernel = jnp.concatenate([p["kernel"].astype(dtype) for p in projections], axis=1)
+    kernel = jnp.concatenate([weight(p, dtype) for p in projections], axis=1)
     joined = jnp.einsum(pattern, x, kernel)
     parts = jnp.split(joined, np.cumsum([p["kernel"].shape[1] for p in projections])[:-1], axis=2)
     return _with_biases(parts, projections, dtype)
