@@ -100,15 +100,24 @@ def _register_kernels(plan: Plan) -> None:
 
 
 def abstract_batch(batch: int, seq: int) -> dict:
-    """The train and eval steps' batch as ShapeDtypeStructs: inputs, targets and mask, [batch, seq]."""
+    """The train and eval steps' batch as ShapeDtypeStructs, each [batch, seq]: inputs, targets,
+    mask, and the packed documents' segment_ids and positions (runtime/data.py fills them)."""
     shape = (batch, seq)
     return {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32), "targets": jax.ShapeDtypeStruct(shape, jnp.int32),
-            "mask": jax.ShapeDtypeStruct(shape, jnp.float32)}
+            "mask": jax.ShapeDtypeStruct(shape, jnp.float32),
+            "segment_ids": jax.ShapeDtypeStruct(shape, jnp.int32), "positions": jax.ShapeDtypeStruct(shape, jnp.int32)}
+
+
+def abstract_schedule() -> dict:
+    """The train step's step-dependent scalars, which the runtime computes every step
+    (mxc.runtime.schedule): the learning rate of the update."""
+    return {"learning_rate": jax.ShapeDtypeStruct((), jnp.float32)}
 
 
 def train_step_function(spec: ModelSpec, plan: Plan, mesh: Mesh, optimizer: OptimizerConfig) -> Traceable:
-    """The train step as compiled: the one builder that `mxc compile` and the planner's
-    verification (mxc.compiler.plan.verify) both use, so that XLA judges the program compile writes."""
+    """The train step as compiled, (state, batch, schedule) -> (state, metrics): the one builder
+    that `mxc compile` and the planner's verification (mxc.compiler.plan.verify) both use, so that
+    XLA judges the program compile writes."""
     from mxc.compiler.lower.train import abstract_train_state, make_train_step, train_state_shardings
 
     _register_kernels(plan)
@@ -120,8 +129,14 @@ def train_step_function(spec: ModelSpec, plan: Plan, mesh: Mesh, optimizer: Opti
     # The plan's expert path (dropless, capacity, megablox) is what XLA's verdict was about.
     step = make_train_step(spec, optimizer, microbatches=plan.microbatches, remat=plan.remat,
                            attention_impl=plan.attention, moe=plan.moe_config())
-    return Traceable("train_step", _traced_as_planned(plan, step), ("state", "batch"), (abstract_train_state(spec, optimizer), batch),
-                     (state_shardings, {key: tokens for key in batch}),
+    schedule = abstract_schedule()
+
+    def scheduled_step(state, batch, scalars):
+        return step(state, batch, scalars["learning_rate"])
+
+    return Traceable("train_step", _traced_as_planned(plan, scheduled_step), ("state", "batch", "schedule"),
+                     (abstract_train_state(spec, optimizer), batch, schedule),
+                     (state_shardings, {key: tokens for key in batch}, jax.tree.map(lambda _: replicated, schedule)),
                      lambda out: (state_shardings, jax.tree.map(lambda _: replicated, out[1])), donate=(0,))
 
 
@@ -132,8 +147,8 @@ def model_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig) -> 
     if (run.seq, run.batch) != (plan.seq, plan.batch):
         plan = plan.model_copy(update={"seq": run.seq, "batch": run.batch})
     train_step = train_step_function(spec, plan, mesh, run.optimizer)
-    abstract_state, batch = train_step.args
-    state_shardings, batch_shardings = train_step.in_shardings
+    abstract_state, batch, _ = train_step.args
+    state_shardings, batch_shardings, _ = train_step.in_shardings
     replicated = named_sharding((), mesh, plan.rules_tuples())
     opt = run.optimizer
     eval_step = make_eval_step(spec, attention_impl=plan.attention, moe=plan.moe_config())

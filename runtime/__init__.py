@@ -3,7 +3,7 @@ it imports neither mxc.spec nor mxc.compiler (a production host has no compiler)
 
     program = mxc.runtime.load("build/llama3.1-8b-v5p-1024")
     state = program.init(0)
-    state, metrics = program.train_step(state, batch)
+    state, metrics = program.train_step(state, batch, {"learning_rate": 3e-4})  # mxc.runtime.schedule
 """
 
 _PROGRAM_NAMES = ("load", "Program", "RecompiledWarning")

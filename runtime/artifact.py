@@ -28,7 +28,9 @@ from mxc.runtime.file_names import plain_name
 
 # 2: `compiler_options`, the options XLA compiled every function with.
 # 3: `file_sizes`, so a listed file is read only up to its recorded size.
-FORMAT_VERSION = 3
+# 4: train_step takes a third argument, `schedule` ({"learning_rate": float32 scalar}), computed
+#    by the runtime every step; older train steps baked their schedule in.
+FORMAT_VERSION = 4
 MANIFEST_NAME = "manifest.json"
 
 # A file of the artifact: a plain name inside its folder, so no manifest can name a file elsewhere.

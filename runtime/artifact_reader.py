@@ -84,7 +84,8 @@ def read_manifest(directory: str | Path, raw: bytes | None = None) -> Manifest:
                             f"format {FORMAT_VERSION}, found {found}; upgrade mxc to run it")
     if found < FORMAT_VERSION:
         raise ArtifactError(f"{directory} has artifact format {found}, which this mxc no longer reads: "
-                            f"expected format {FORMAT_VERSION}, found {found}; compile the model again")
+                            f"expected format {FORMAT_VERSION}, found {found}; compile the model again "
+                            f"(recompile it: mxc compile MODEL ... -o {directory} --force)")
     expected = data.get("manifest_sha256")
     found = manifest_digest(data)
     if expected != found:

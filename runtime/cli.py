@@ -67,26 +67,70 @@ def add_run_parser(subparsers) -> None:
     parser.add_argument("--log-every", type=positive, default=10, metavar="K",
                         help="without a terminal, print a line every K steps (10)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
+    parser.add_argument("--no-doc-mask", action="store_true",
+                        help="let attention cross document boundaries (default: each document alone)")
     parser.add_argument("--fallback", action="store_true",
                         help="when the newest checkpoint is corrupt or unreadable, resume from the newest intact "
                              "one (without it the run stops and names the step)")
+    add_schedule_arguments(parser)
+    add_observability_arguments(parser)
     add_trust_arguments(parser)
     add_distributed_arguments(parser)
     parser.set_defaults(func=run_command)
 
 
+def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
+    from mxc.runtime.schedule import DEFAULT_DECAY_FRACTION, KINDS
+
+    group = parser.add_argument_group(
+        "learning-rate schedule (computed every step; a resumed run continues its checkpoint's schedule, "
+        "changed only by the flags given)")
+    group.add_argument("--learning-rate", type=float, metavar="LR",
+                       help="the peak rate (default: the one the artifact was compiled with)")
+    group.add_argument("--schedule", choices=KINDS, help="after the warmup: cosine (default) or linear decay to "
+                                                         "the floor, constant, or wsd (warmup-stable-decay)")
+    group.add_argument("--warmup-steps", type=int, metavar="W",
+                       help="linear warmup from 0 (default: the artifact's warmup, at most a tenth of --steps)")
+    group.add_argument("--decay-steps", type=int, metavar="D",
+                       help="the step at which the rate reaches its floor, warmup included (default: --steps)")
+    group.add_argument("--decay-fraction", type=float, metavar="F",
+                       help=f"wsd: the last fraction of --decay-steps that decays ({DEFAULT_DECAY_FRACTION})")
+    group.add_argument("--min-lr-ratio", type=float, metavar="R",
+                       help="the floor as a fraction of the peak (default: the artifact's, 0.1 unless compiled "
+                            "otherwise)")
+
+
+def add_observability_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("TensorBoard and profiles")
+    group.add_argument("--tensorboard", metavar="DIR", help="write every metric as TensorBoard scalars here")
+    group.add_argument("--profile-steps", metavar="K:N",
+                       help="trace steps K to N with the JAX profiler (open with xprof or TensorBoard)")
+    group.add_argument("--profile-dir", metavar="DIR",
+                       help="where --profile-steps writes its trace (default: the --tensorboard DIR)")
+
+
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of generation, defined once: `python -m mxc.runtime generate` and `mxc generate`
     (with a spec or an artifact) take exactly these."""
-    parser.add_argument("--prompt-tokens", required=True, metavar="PROMPT.npy",
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt-tokens", metavar="PROMPT.npy",
                         help="int ids in a .npy of shape (requests, prompt); -1 ids end a shorter row")
+    prompt.add_argument("--prompt", metavar="TEXT",
+                        help="a text prompt: tokenized with the model's tokenizer, the new text streamed to "
+                             "stdout until the end-of-sequence token or --max-new")
+    parser.add_argument("--chat", action="store_true",
+                        help="with --prompt: apply the tokenizer's chat template to it as a user message")
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="with --prompt: the directory of tokenizer.json and tokenizer_config.json (default: "
+                             "the model directory's own; an artifact needs it)")
     parser.add_argument("--max-new", required=True, type=positive, metavar="N", help="new tokens per request")
     parser.add_argument("--greedy", action="store_true", help="take the most likely token (the default)")
     parser.add_argument("--temperature", type=float, metavar="T", help="sample at temperature T")
     parser.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens")
     parser.add_argument("--top-p", type=float, metavar="P", help="sample within probability mass P")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="random seed for sampling (default 0)")
-    parser.add_argument("-o", "--output", required=True, metavar="TOKENS.npy")
+    parser.add_argument("-o", "--output", metavar="TOKENS.npy",
+                        help="write prompt plus new tokens here (required with --prompt-tokens)")
     parser.add_argument("--report", metavar="FILE.json", help="also write the timings here (an artifact only)")
 
 
@@ -217,18 +261,34 @@ def run_command(args) -> int:
 
     from mxc.runtime.checkpoint import Checkpoints
     from mxc.runtime.loop import LoopConfig, StopSignal, TrainingRun
+    from mxc.runtime.profiling import ProfileWindow
+    from mxc.runtime.schedule import ScheduleRequest
     from mxc.runtime.token_file import open_tokens
     from mxc.runtime.trainable import from_program
 
-    trainable = from_program(_load(args))
+    profile = None
+    if args.profile_steps is not None:
+        directory = args.profile_dir or args.tensorboard
+        if directory is None:
+            raise CommandError("--profile-steps needs a directory for its trace: --profile-dir DIR or --tensorboard DIR")
+        profile = ProfileWindow.parse(args.profile_steps, directory)
+    program = _load(args)
+    trainable = from_program(program)
+    schedule = ScheduleRequest(
+        steps=args.steps, artifact_optimizer=program.manifest.run.get("optimizer") or {}, kind=args.schedule,
+        peak=args.learning_rate, warmup_steps=args.warmup_steps, decay_steps=args.decay_steps,
+        min_ratio=args.min_lr_ratio, decay_fraction=args.decay_fraction)
+    schedule.fresh()  # flags that describe no schedule fail here, before any checkpoint is touched
     data = open_tokens(args.data, eod_id=args.eod_id)
     eval_data = None if args.eval_data is None else open_tokens(args.eval_data, eod_id=args.eod_id)
     primary = jax.process_index() == 0
     config = LoopConfig(steps=args.steps, save_every=args.save_every, eval_every=args.eval_every,
                         eval_batches=args.eval_batches, seed=args.seed, in_flight=args.in_flight,
-                        log_every=args.log_every, progress=not args.quiet, fallback=args.fallback)
+                        log_every=args.log_every, progress=not args.quiet, fallback=args.fallback,
+                        doc_mask=not args.no_doc_mask)
     run = TrainingRun(trainable, data, Checkpoints(args.ckpt_dir, keep=args.keep), config,
-                      metrics_path=args.metrics, eval_data=eval_data, init_from=args.init_from, primary=primary)
+                      metrics_path=args.metrics, eval_data=eval_data, init_from=args.init_from, primary=primary,
+                      schedule=schedule, tensorboard_dir=args.tensorboard, profile=profile)
     try:
         with StopSignal(multi_process=setup.distributed and jax.process_count() > 1) as stop:
             summary = run.run(stop)
@@ -239,6 +299,11 @@ def run_command(args) -> int:
         how = "stopped by a signal" if summary.stopped_by_signal else "done"
         print(f"{how}: step {summary.last_step}{loss}; checkpoints in {os.path.abspath(args.ckpt_dir)}",
               file=sys.stderr)
+        if summary.totals is not None and summary.totals.steps:
+            nominal = program.manifest.topology.platform == "cpu"
+            for line in summary.totals.summary_lines(
+                    summary.wall_seconds, " (mxc's nominal CPU peak: indicative only)" if nominal else ""):
+                print(line, file=sys.stderr)
     return EXIT_OK
 
 
@@ -261,13 +326,13 @@ def sampling_from(args):
 def generate_command(args) -> int:
     import numpy as np
 
-    from mxc.runtime.prompt_file import PromptFileError, read_prompt_array
+    from mxc.runtime.text_generation import TextError, generation_inputs
 
     try:  # before starting processes: a wrong file is the user's error, whatever the artifact
-        prompts = read_prompt_array(args.prompt_tokens, "--prompt-tokens")
-    except PromptFileError as err:
+        prompts, text = generation_inputs(args, args.tokenizer)
+    except TextError as err:
         raise CommandError(str(err)) from None
-    _start_processes(args)  # nothing may import jax before it (prompt_file imports numpy only)
+    _start_processes(args)  # nothing may import jax before it (prompt files and tokenizers import numpy only)
     sampling = sampling_from(args)
     import jax
 
@@ -278,9 +343,14 @@ def generate_command(args) -> int:
     servable = servable_from_program(program)
     # A checkpoint of another spec is refused before its arrays are read.
     params = restore_params(args.params, servable.abstract_params, identity=artifact_identity(program.manifest))
-    tokens, report = generate(servable, params, prompts, args.max_new, sampling=sampling, seed=args.seed)
+    on_tokens = text.on_tokens if text is not None and jax.process_index() == 0 else None
+    tokens, report = generate(servable, params, prompts, args.max_new, sampling=sampling, seed=args.seed,
+                              on_tokens=on_tokens)
     if jax.process_index() == 0:
-        np.save(args.output, tokens)
+        if text is not None:
+            text.finish()
+        if args.output:
+            np.save(args.output, tokens)
         summary = report.to_json()
         if args.report:
             with open(args.report, "w", encoding="utf-8") as f:
@@ -315,8 +385,11 @@ USER_ERRORS = {
     "mxc.runtime.data": "DataError",
     "mxc.runtime.generate": "GenerationError",
     "mxc.runtime.loop": "NonFiniteLossError",
+    "mxc.runtime.profiling": "ProfileStepsError",
+    "mxc.runtime.schedule": "ScheduleError",
     "mxc.runtime.token_file": "TokenFileError",
     "mxc.runtime.tokenize": "TokenizerError",
+    "mxc.runtime.text_generation": "TextError",
 }
 
 

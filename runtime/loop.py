@@ -21,6 +21,11 @@ another run's parameters by design.
 A non-finite loss or gradient norm stops the run without saving: a checkpoint is only taken
 once the loss and gradient norm of every step up to it were seen to be finite, so the newest
 checkpoint is the last state known to be good.
+
+The learning rate. With a ScheduleRequest (an artifact's train step takes its rate as an input)
+the loop computes each update's rate (mxc.runtime.schedule) and stores the schedule in every
+checkpoint's meta; a resumed run continues the stored schedule, changed only where the resuming
+command's flags say so (with a one-line notice naming the changes).
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ import numpy as np
 from mxc.runtime.artifact import ArtifactError
 from mxc.runtime.checkpoint import CheckpointError, Checkpoints, SpecMismatchError, restore_params
 from mxc.runtime.data import TrainData, eval_batches
-from mxc.runtime.metrics import MetricsLog, ProgressDisplay, model_flops_utilisation
+from mxc.runtime.metrics import MetricsLog, ProgressDisplay, RunTotals, model_flops_utilisation, perplexity
+from mxc.runtime.profiling import ProfileWindow, StepProfiler
+from mxc.runtime.schedule import Schedule, ScheduleRequest
 from mxc.runtime.token_file import TokenFile
 from mxc.runtime.trainable import Trainable
 
@@ -60,6 +67,7 @@ class LoopConfig:
     log_every: int = 10
     progress: bool = True
     fallback: bool = False  # resume from the newest intact step when newer ones are corrupt
+    doc_mask: bool = True  # segment ids and positions per document (data.py), where the file marks them
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,8 @@ class RunSummary:
     last_step: int  # the step the state reached
     stopped_by_signal: bool
     last_loss: float | None
+    totals: RunTotals | None = None  # what this invocation trained and evaluated
+    wall_seconds: float = 0.0
 
 
 def scalar(value) -> float:
@@ -120,15 +130,32 @@ class TrainingRun:
     """One invocation of `mxc run`: owns the state, the data position and the checkpoints."""
 
     def __init__(self, trainable: Trainable, data: TokenFile, checkpoints: Checkpoints, config: LoopConfig, *,
-                 metrics_path=None, eval_data: TokenFile | None = None, init_from=None, primary: bool = True):
+                 metrics_path=None, eval_data: TokenFile | None = None, init_from=None, primary: bool = True,
+                 schedule: ScheduleRequest | None = None, tensorboard_dir=None, profile: ProfileWindow | None = None):
+        """`schedule`: the train step takes its learning rate as a third argument, computed from
+        this request (None: the train step takes (state, batch) and schedules itself)."""
         self.trainable, self.checkpoints, self.config = trainable, checkpoints, config
         self.primary = primary
+        self.schedule: Schedule | None = None
+        self._schedule_changes: list[str] = []
+        self.tensorboard = None
         try:
-            self.data = TrainData(data, trainable.layout, seed=config.seed, vocab_size=trainable.vocab_size)
+            self.data = TrainData(data, trainable.layout, seed=config.seed, vocab_size=trainable.vocab_size,
+                                  doc_mask=config.doc_mask)
             self.eval_data = eval_data
             if eval_data is not None and trainable.eval_step is None:
                 raise ArtifactError("--eval-data needs an artifact with an eval_step function")
-            self.state, self.first_step = self._start(init_from)
+            self.state, self.first_step, stored_schedule = self._start(init_from)
+            if schedule is not None:
+                if self.first_step:
+                    self.schedule, self._schedule_changes = schedule.resumed(stored_schedule)
+                else:
+                    self.schedule = schedule.fresh()
+            if tensorboard_dir is not None and primary:
+                from mxc.runtime.tensorboard import TensorBoardLog
+
+                self.tensorboard = TensorBoardLog(tensorboard_dir,
+                                                  resume_after_step=self.first_step if self.first_step else None)
         except BaseException:
             checkpoints.close()  # releases the lock and removes a folder it created for nothing
             raise
@@ -136,8 +163,12 @@ class TrainingRun:
                                   resume_after_step=self.first_step if self.first_step else None)
         self.progress = ProgressDisplay(config.steps, self.first_step, enabled=primary and config.progress,
                                         log_every=config.log_every)
+        self.profiler = StepProfiler(profile)
+        layout = trainable.layout
+        self.totals = RunTotals(layout.batch * layout.seq, trainable.flops_per_step, trainable.peak_flops)
 
-    def _start(self, init_from) -> tuple[dict, int]:
+    def _start(self, init_from) -> tuple[dict, int, dict | None]:
+        """(train state, its step, the schedule its checkpoint stored: None when fresh)."""
         abstract = self.trainable.abstract_state
         steps = sorted(self.checkpoints.all_steps(), reverse=True)
         for step in steps:
@@ -155,13 +186,14 @@ class TrainingRun:
                     print(f"mxc run: {err}; trying the step before it (--fallback)", file=sys.stderr, flush=True)
                 continue
             self.data.restore(meta["data"])
-            return {"step": optimizer["step"], "params": params, "opt_state": optimizer["opt_state"]}, step
+            state = {"step": optimizer["step"], "params": params, "opt_state": optimizer["opt_state"]}
+            return state, step, meta.get("schedule")
         if steps:
             raise CheckpointError(f"no intact checkpoint in {self.checkpoints.directory} (steps {steps} are all corrupt)")
         state = self.trainable.init(self.config.seed)
         if init_from is not None:
             state = {**state, "params": restore_params(init_from, abstract["params"], identity=self.trainable.identity, same_spec=False)}
-        return state, 0
+        return state, 0, None
 
     def _say(self, text: str) -> None:
         self.progress.message(text)
@@ -169,6 +201,8 @@ class TrainingRun:
     def save(self, step: int) -> None:
         meta = {"step": step, "data": self.data.position(), "seed": self.config.seed,
                 "artifact": self.trainable.identity}
+        if self.schedule is not None:
+            meta["schedule"] = self.schedule.to_json()
         self.checkpoints.save(step, params=self.state["params"], optimizer=_optimizer_item(self.state), meta=meta)
 
     def _report(self, step: int, metrics: dict, seconds: float) -> dict:
@@ -184,34 +218,64 @@ class TrainingRun:
                   "tokens_per_second": layout.batch * layout.seq / seconds if seconds > 0 else None,
                   "mfu": model_flops_utilisation(self.trainable.flops_per_step, seconds, self.trainable.peak_flops),
                   "epoch": round(self.data.epoch, 6), "time": time.time()}
-        self.metrics.write(record)
+        self._write(record)
+        self.totals.add_train(record)
         self.progress.update(record)
         return record
+
+    def _write(self, record: dict) -> None:
+        self.metrics.write(record)
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
 
     def evaluate(self, step: int) -> dict:
         layout = self.trainable.eval_layout
         totals = {"loss": 0.0, "accuracy": 0.0, "tokens": 0.0}
-        for batch in eval_batches(self.eval_data, layout, self.config.eval_batches, vocab_size=self.trainable.vocab_size):
+        for batch in eval_batches(self.eval_data, layout, self.config.eval_batches, vocab_size=self.trainable.vocab_size,
+                                  doc_mask=self.config.doc_mask):
             values = {k: scalar(v) for k, v in self.trainable.eval_step(self.state["params"], batch).items()}
             for key in ("loss", "accuracy"):
                 totals[key] += values[key] * values["tokens"]
             totals["tokens"] += values["tokens"]
         tokens = max(totals["tokens"], 1.0)
-        record = {"step": step, "kind": "eval", "loss": totals["loss"] / tokens,
+        loss = totals["loss"] / tokens
+        record = {"step": step, "kind": "eval", "loss": loss, "perplexity": perplexity(loss),
                   "accuracy": totals["accuracy"] / tokens, "tokens": totals["tokens"], "time": time.time()}
-        self.metrics.write(record)
-        self._say(f"eval at step {step}: loss {record['loss']:.4f}")
+        self._write(record)
+        self.totals.add_eval(record)
+        self._say(f"eval at step {step}: loss {loss:.4f}, perplexity {record['perplexity']:.2f}")
         return record
+
+    def _dispatch(self, step: int, batch) -> tuple[dict, dict]:
+        """Runs the update that takes the state from `step` to step + 1."""
+        if self.schedule is None:
+            return self.trainable.train_step(self.state, batch)
+        return self.trainable.train_step(self.state, batch, self.schedule.inputs(step))
+
+    def _announce_schedule(self) -> None:
+        schedule = self.schedule
+        if schedule is None:
+            return
+        if self._schedule_changes:
+            self._say(f"schedule changed on resume: {'; '.join(self._schedule_changes)}")
+        if self.first_step == 0 or self._schedule_changes:
+            self._say(f"learning rate: {schedule.describe()}")
+        if self.config.steps < schedule.warmup_steps:
+            self._say(f"warning: --steps {self.config.steps} ends before the warmup does (step "
+                      f"{schedule.warmup_steps}): the learning rate never reaches its peak {schedule.peak:g}; "
+                      f"pass --warmup-steps to shorten it")
 
     def run(self, stop: StopSignal) -> RunSummary:
         config = self.config
         step = self.first_step
+        started = time.perf_counter()
         if step >= config.steps:
             self._say(f"the checkpoint in {self.checkpoints.directory} is at step {step}; "
                       f"nothing to do for --steps {config.steps}")
             return RunSummary(step, step, False, None)
         if step:
             self._say(f"resumed from step {step} ({self.checkpoints.directory})")
+        self._announce_schedule()
         pending: deque = deque()
         last_time = time.perf_counter()
         last_record = None
@@ -229,10 +293,14 @@ class TrainingRun:
         while step < config.steps:
             self.checkpoints.check_saves()  # a background save that failed stops the run here
             batch = self.data.next_batch()
-            self.state, metrics = self.trainable.train_step(self.state, batch)
+            self.profiler.before_dispatch(step + 1)
+            with self.profiler.annotation(step + 1):
+                self.state, metrics = self._dispatch(step, batch)
             step += 1
             pending.append((step, metrics))
             drain(config.in_flight - 1)
+            if self.profiler.after_dispatch(step, lambda: drain(0)):
+                last_time = time.perf_counter()  # writing the trace is not training time
             stopped = stop.should_stop(step)
             due_save = stopped or step == config.steps or bool(config.save_every and step % config.save_every == 0)
             due_eval = self.eval_data is not None and (
@@ -247,10 +315,18 @@ class TrainingRun:
             if stopped:
                 self._say(f"signal received: saved step {step} in {self.checkpoints.directory}, stopping")
                 break
+        self.profiler.stop()  # a window past the last step ends with the run
         self.checkpoints.wait()
-        return RunSummary(self.first_step, step, stopped, None if last_record is None else last_record["loss"])
+        for trace in self.profiler.traces:
+            self._say(f"profile of steps {self.profiler.window.first}-{min(self.profiler.window.last, step)}: "
+                      f"{trace} (open with: xprof --logdir {self.profiler.window.directory})")
+        return RunSummary(self.first_step, step, stopped, None if last_record is None else last_record["loss"],
+                          self.totals, time.perf_counter() - started)
 
     def close(self) -> None:
+        self.profiler.stop()
         self.progress.close()
         self.metrics.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         self.checkpoints.close()

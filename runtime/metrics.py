@@ -121,3 +121,60 @@ class ProgressDisplay:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+def perplexity(loss: float) -> float:
+    """exp of a mean per-token cross-entropy (nats); inf where it overflows."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+class RunTotals:
+    """What the end-of-run summary reports: the steps this invocation trained (tokens seen, the
+    seconds spent in train steps) and its evaluations."""
+
+    def __init__(self, tokens_per_step: int, flops_per_step: float | None, peak_flops: float | None):
+        self.tokens_per_step, self.flops_per_step, self.peak_flops = tokens_per_step, flops_per_step, peak_flops
+        self.steps = 0
+        self.train_seconds = 0.0
+        self.eval_losses: list[tuple[int, float]] = []  # (step, loss)
+
+    def add_train(self, record: dict) -> None:
+        self.steps += 1
+        self.train_seconds += record["step_seconds"]
+
+    def add_eval(self, record: dict) -> None:
+        self.eval_losses.append((record["step"], record["loss"]))
+
+    @property
+    def tokens(self) -> int:
+        return self.steps * self.tokens_per_step
+
+    def tokens_per_second(self) -> float | None:
+        return self.tokens / self.train_seconds if self.train_seconds > 0 else None
+
+    def mfu(self) -> float | None:
+        if not self.flops_per_step:
+            return None
+        return model_flops_utilisation(self.flops_per_step * self.steps, self.train_seconds, self.peak_flops)
+
+    def summary_lines(self, wall_seconds: float, peak_note: str = "") -> list[str]:
+        """The summary as console lines. `peak_note` says where the peak comes from when it is
+        only nominal (a CPU), so that the MFU is read as indicative."""
+        rate = self.tokens_per_second()
+        lines = [f"tokens seen {self.tokens:,} in {self.steps} steps; wall time {wall_seconds:.1f} s "
+                 f"({self.train_seconds:.1f} s in train steps); mean "
+                 + (f"{rate:,.0f} tokens/s" if rate is not None else "tokens/s unknown")]
+        mfu = self.mfu()
+        if mfu is not None:
+            lines.append(f"MFU {100 * mfu:.2f}% of a peak of {self.peak_flops:.3g} FLOP/s{peak_note}")
+        else:
+            lines.append("MFU unknown: the artifact records no FLOP count or no peak for its devices")
+        if self.eval_losses:
+            final_step, final = self.eval_losses[-1]
+            best_step, best = min(self.eval_losses, key=lambda entry: entry[1])
+            lines.append(f"eval loss: final {final:.4f} (step {final_step}, perplexity {perplexity(final):.2f}), "
+                         f"best {best:.4f} (step {best_step})")
+        return lines

@@ -1,5 +1,10 @@
 """AdamW with linear warmup and cosine decay, weight decay only on matrices, global-norm clipping.
 
+The learning rate is an argument of each update (`learning_rate=`, an optax extra argument): a
+compiled train step takes it as an input and the runtime computes it every step
+(mxc.runtime.schedule), so one artifact trains under any schedule. Without it an update uses
+`learning_rate_schedule(config)`, the schedule these settings describe (and the runtime's defaults).
+
 Defaults follow MaxText's base config (b1 0.9, b2 0.95, eps 1e-8, weight decay 0.1, clipping at
 1.0, cosine down to a tenth of the peak, warmup over the first tenth of training), except the
 peak learning rate, which is the common 3e-4 rather than MaxText's fine-tuning-sized 3e-5.
@@ -8,6 +13,7 @@ peak learning rate, which is the common 3e-4 rather than MaxText's fine-tuning-s
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat,
                       PositiveInt, model_validator)
@@ -81,14 +87,33 @@ def weight_decay_mask(params, axes=None):
     return jax.tree.unflatten(treedef, [decays(path, ax, p.ndim) for (path, p), ax in zip(flat, flat_axes)])
 
 
-def make_optimizer(config: OptimizerConfig, decay_mask=None) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW. `decay_mask` is a bool pytree (or a function of params
-    returning one); None means `weight_decay_mask(params)` by rank and name."""
-    adamw = optax.adamw(
-        learning_rate=learning_rate_schedule(config),
-        b1=config.b1, b2=config.b2, eps=config.eps,
-        weight_decay=config.weight_decay,
-        mask=weight_decay_mask if decay_mask is None else decay_mask,
+def scale_by_given_rate(schedule: optax.Schedule) -> optax.GradientTransformationExtraArgs:
+    """optax's scale_by_learning_rate(schedule), except that an update given `learning_rate=`
+    (a traced scalar) scales by minus that rate instead of the schedule's value at its count.
+    Its state is scale_by_schedule's, so the optimizer state keeps optax.adamw's structure."""
+
+    def init(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None, *, learning_rate=None, **extra_args):
+        del params, extra_args
+        rate = schedule(state.count) if learning_rate is None else learning_rate
+        updates = jax.tree.map(lambda g: -jnp.asarray(rate, g.dtype) * g, updates)
+        return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def make_optimizer(config: OptimizerConfig, decay_mask=None) -> optax.GradientTransformationExtraArgs:
+    """Clip by global norm, then AdamW (optax.adamw's chain, its last link taking the rate as an
+    argument). `decay_mask` is a bool pytree (or a function of params returning one); None means
+    `weight_decay_mask(params)` by rank and name. `update(grads, state, params, learning_rate=LR)`
+    uses LR; without it, the config's schedule."""
+    adamw = optax.chain(
+        optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps),
+        optax.add_decayed_weights(config.weight_decay, weight_decay_mask if decay_mask is None else decay_mask),
+        scale_by_given_rate(learning_rate_schedule(config)),
     )
     if config.clip_norm is None:
         return adamw

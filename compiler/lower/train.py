@@ -62,13 +62,22 @@ def split_microbatches(batch: Batch, microbatches: int) -> Batch:
 def make_gradient_step(sums_fn: LossSumsFn, optimizer: optax.GradientTransformation,
                        schedule: optax.Schedule, *, microbatches: int = 1,
                        after_update: Callable[[object, LossSums], object] | None = None):
-    """The model-independent train step: `sums_fn` gives a batch's loss sums for some params.
+    """The model-independent train step, (state, batch, learning_rate=None) -> (state, metrics):
+    `sums_fn` gives a batch's loss sums for some params; `optimizer` takes the update's rate as
+    the extra argument `learning_rate` (make_optimizer's does), which is `learning_rate` when
+    given, else `schedule(state.step)`.
     `after_update(params, sums)` adjusts the updated parameters outside the gradient (DeepSeek
     V3's correction biases follow the step's expert loads)."""
     if microbatches < 1:
         raise ValueError(f"microbatches must be at least 1, got {microbatches}")
 
-    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    optimizer = optax.with_extra_args_support(optimizer)
+
+    def train_step(state: TrainState, batch: Batch,
+                   learning_rate: jax.Array | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+        # The rate of this update: given (a compiled step's input, computed by the runtime's
+        # schedule) or the schedule's value at the state's step.
+        rate = schedule(state.step) if learning_rate is None else jnp.asarray(learning_rate, jnp.float32)
         # One division by the whole batch's token count: the mean over all tokens, not a mean of
         # per-microbatch means (which would weight tokens by how padding fell).
         tokens = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
@@ -95,12 +104,12 @@ def make_gradient_step(sums_fn: LossSumsFn, optimizer: optax.GradientTransformat
             (grads, sums), _ = jax.lax.scan(accumulate, (zero_grads, zero_sums), parts)
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
 
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params, learning_rate=rate)
         params = optax.apply_updates(state.params, updates)
         if after_update is not None:
             params = after_update(params, sums)
         metrics = {**loss_metrics(sums), "grad_norm": optax.tree.norm(grads),
-                   "learning_rate": schedule(state.step)}
+                   "learning_rate": rate}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return train_step
@@ -133,6 +142,7 @@ def model_loss_sums(spec: ModelSpec, *, remat: str = "none", attention_impl: str
 
     def sums_fn(params, batch: Batch) -> LossSums:
         hidden, _, moe_stats = decoder_hidden(spec, params, batch["inputs"], remat_policy=remat_lib.policy(remat),
+                                              positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
                                               attention_impl=attention_impl, moe=moe)
         sums = loss_sums(logits_from_hidden(spec, params, hidden), batch["targets"], batch["mask"],
                          z_loss_weight=z_loss_weight)
@@ -157,8 +167,9 @@ def model_optimizer(spec: ModelSpec, config: OptimizerConfig) -> optax.GradientT
 def make_train_step(spec: ModelSpec, config: OptimizerConfig, *, microbatches: int = 1,
                     remat: str = "full", attention_impl: str = "xla", z_loss_weight: float = 0.0,
                     moe: MoEConfig = MoEConfig()):
-    """(TrainState, Batch) -> (TrainState, metrics: loss, cross_entropy, z_loss, aux_loss, mtp_loss,
-    accuracy, tokens, grad_norm (before clipping), learning_rate (the one this update used))."""
+    """(TrainState, Batch, learning_rate=None) -> (TrainState, metrics: loss, cross_entropy, z_loss,
+    aux_loss, mtp_loss, accuracy, tokens, grad_norm (before clipping), learning_rate (the one this
+    update used)). Without a learning rate, the config's schedule gives it."""
     from mxc.compiler.lower.moe import has_correction_bias, update_correction_biases
     from mxc.compiler.lower.mtp import update_mtp_correction_biases
 

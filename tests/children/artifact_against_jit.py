@@ -17,12 +17,14 @@ import numpy as np
 
 import mxc.runtime
 
+LEARNING_RATE = 1e-3  # the rate both train steps take: the runtime computes it, not the artifact
+
 
 def run(program, batch, prompt) -> dict:
     state = program.init(3)
     first = jax.tree.map(np.asarray, state)
     evaluated = program.eval_step(state["params"], batch)
-    state, metrics = program.train_step(state, batch)
+    state, metrics = program.train_step(state, batch, {"learning_rate": np.float32(LEARNING_RATE)})
     logits, cache = program.prefill(state["params"], prompt, np.full(8, 16, np.int32))  # every row 16 tokens
     step_logits, cache = program.decode(state["params"], np.argmax(np.asarray(logits), -1), cache)
     return jax.tree.map(np.asarray, {"init": first, "eval": evaluated, "state": state, "metrics": metrics,
@@ -52,7 +54,8 @@ def reference_run(plan: dict, batch, prompt) -> dict:
         first = jax.tree.map(np.asarray, state)
         evaluated = jax.jit(make_eval_step(spec), in_shardings=(shardings.params, batch_shardings))(state.params, batch)
         step = make_train_step(spec, opt, microbatches=plan["microbatches"], remat=plan["remat"])
-        state, metrics = jax.jit(step, in_shardings=(shardings, batch_shardings))(state, batch)
+        state, metrics = jax.jit(step, in_shardings=(shardings, batch_shardings, None))(
+            state, batch, np.float32(LEARNING_RATE))
         logits, cache = jax.jit(lambda p, t: prefill(spec, p, t, init_cache(spec, 8, 32)))(state.params, prompt)
         step_logits, cache = jax.jit(lambda p, t, c: decode_step(spec, p, t, c))(
             state.params, jnp.argmax(logits, -1).astype(jnp.int32), cache)

@@ -17,9 +17,10 @@ def main(artifact: str) -> int:
     batch = {leaf.path[1]: np.zeros(leaf.shape, leaf.dtype)
              for leaf in program.manifest.functions["train_step"].inputs if leaf.path[0] == 1}
     state = program.init(0)
-    program.train_step(state, batch)
+    schedule = {"learning_rate": np.float32(1e-3)}
+    program.train_step(state, batch, schedule)
     try:
-        program.train_step(state, batch)  # the same state again: its buffers went to the first call
+        program.train_step(state, batch, schedule)  # the same state again: its buffers went to the first call
     except ValueError as err:
         print(err)
         return 0
