@@ -3,6 +3,8 @@ Llama in a model directory with the byte-level tokenizer and the shipped public-
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -12,99 +14,123 @@ import pytest
 
 from mxc.compiler.cli import main
 from mxc.compiler.commands.generate import spec_servable
+from mxc.compiler.hf.model_dir import load_spec_and_params
 from mxc.compiler.hf.spec_text import spec_text
-from mxc.compiler.lower.params import init_params
-from mxc.runtime.accuracy import Reference, teacher_forced_predictions
+from mxc.compiler.lower.params import param_shapes
+from mxc.runtime.accuracy import Reference, score, teacher_forced_predictions
 from mxc.runtime.params_io import save_params
 from mxc.runtime.tokenize import byte_tokenizer
 from mxc.spec.load import load_model
 
 TEXT = Path(__file__).parents[1] / "data" / "text" / "pride_and_prejudice_ch1-6.txt"
 PREFILL, DECODE = 24, 40  # scores 41 positions; small, so the test stays fast
-SIZES = ["--prefill", str(PREFILL), "--decode", str(DECODE), "--speed-prompt", "8", "--speed-steps", "4"]
+# The speed's prompt and steps match the accuracy's sizes: one servable, compiled once.
+SIZES = ["--prefill", str(PREFILL), "--decode", str(DECODE), "--speed-prompt", str(PREFILL), "--speed-steps", str(DECODE)]
 # Sharper than the training initialisation, so the argmax has a clear margin over the runner-up.
 INIT_STD = 0.3
 
 
+def _random_params(spec, seed: int) -> dict:
+    rng = np.random.default_rng(seed)  # numpy: jax.random per leaf costs seconds of dispatch here
+    return jax.tree.map(lambda s: (INIT_STD * rng.standard_normal(s.shape)).astype(s.dtype), param_shapes(spec))
+
+
 def _model_dir(path: Path, params) -> Path:
-    spec = load_model("llama3-tiny")
     path.mkdir()
-    (path / "model.mspec").write_text(spec_text(spec))
+    (path / "model.mspec").write_text(spec_text(load_model("llama3-tiny")))
     save_params(path / "params", params)
     return path
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """A tiny model directory, and a copy whose weights carry 20% noise."""
-    base = tmp_path_factory.mktemp("eval-accuracy")
+    """A tiny model directory, and a copy of its parameters with 20% noise on every weight."""
     spec = load_model("llama3-tiny")
-    params = init_params(spec, jax.random.key(0), init_std=INIT_STD)
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    noisy = jax.tree.unflatten(tree, [x * (1 + 0.2 * jax.random.normal(k, x.shape)) for x, k in zip(leaves, keys)])
-    return _model_dir(base / "model", params), _model_dir(base / "perturbed", noisy)
+    params = _random_params(spec, 0)
+    rng = np.random.default_rng(1)
+    noisy = jax.tree.map(lambda x: x * (1 + 0.2 * rng.standard_normal(x.shape)).astype(x.dtype), params)
+    return _model_dir(tmp_path_factory.mktemp("eval-accuracy") / "model", params), noisy
 
 
-def _evaluate(capsys, *arguments: str) -> dict:
-    assert main(["eval", "accuracy", *arguments, "--text", str(TEXT), "--tokenizer", "bytes", *SIZES, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
+@pytest.fixture(scope="module")
+def float32_run(models, tmp_path_factory):
+    """`mxc eval accuracy` of the float32 model against its own reference (computed, and saved)."""
+    reference = tmp_path_factory.mktemp("reference") / "ref.npz"
+    return _evaluate(str(models[0]), "--save-reference", str(reference)), reference
 
 
-def test_float32_scores_100_against_its_own_reference_and_reports_the_row(models, capsys, tmp_path):
-    model, _ = models
-    result = _evaluate(capsys, str(model), "--save-reference", str(tmp_path / "ref.npz"))
+@pytest.fixture(scope="module")
+def servable(models):
+    spec, params = load_spec_and_params(str(models[0]))
+    return spec_servable(spec, 1, PREFILL, PREFILL + DECODE, "float32"), params
+
+
+def _evaluate(*arguments: str) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["eval", "accuracy", *arguments, "--text", str(TEXT), "--tokenizer", "bytes", *SIZES, "--json"])
+    assert code == 0
+    return json.loads(out.getvalue())
+
+
+def _text_tokens() -> np.ndarray:
+    return np.asarray(byte_tokenizer().encode(TEXT.read_text()), np.int32)[:PREFILL + DECODE + 1]
+
+
+def test_float32_scores_100_against_its_own_reference_and_reports_the_row(float32_run):
+    result, saved = float32_run
     assert (result["top1"], result["top5"]) == (100.0, 100.0)
     assert result["scored_positions"] == DECODE + 1 and result["precision"] == "fp32"
     assert result["tokens_per_second_per_user"] > 0 and result["ttft_ms"] > 0
     assert {"top1", "top5", "tokens_per_second_per_user", "ttft_ms", "precision"} <= set(result)
-    reference = Reference.load(tmp_path / "ref.npz")
+    reference = Reference.load(saved)
     assert reference.top5.shape == (PREFILL + DECODE + 1, 5)
+    assert (reference.tokens == _text_tokens()).all()
 
 
-def test_a_perturbed_model_scores_less_against_the_reference_directory(models, capsys):
-    model, perturbed = models
-    result = _evaluate(capsys, str(perturbed), "--reference", str(model))
-    assert result["top1"] < 100.0 and result["top5"] >= result["top1"]
+def test_a_perturbed_model_scores_less(models, float32_run, servable):
+    serve, params = servable
+    # Placed as the loaded parameters are, so the jitted functions run without compiling again.
+    noisy = jax.tree.map(lambda placed, x: jax.device_put(x, placed.sharding), params, models[1])
+    predictions = teacher_forced_predictions(serve, noisy, _text_tokens(), PREFILL, DECODE)
+    scores = score(predictions, Reference.load(float32_run[1]), PREFILL)
+    assert scores.top1 < 100.0 and scores.top5 >= scores.top1 and scores.positions == DECODE + 1
 
 
-def test_a_stored_reference_gives_the_scores_of_its_directory(models, capsys, tmp_path):
-    model, perturbed = models
-    _evaluate(capsys, str(model), "--save-reference", str(tmp_path / "ref.npz"))
-    stored = _evaluate(capsys, str(perturbed), "--reference", str(tmp_path / "ref.npz"))
-    computed = _evaluate(capsys, str(perturbed), "--reference", str(model))
-    assert (stored["top1"], stored["top5"]) == (computed["top1"], computed["top5"])
-
-
-def test_teacher_forcing_feeds_the_text_not_the_predictions(models):
-    from mxc.compiler.hf.model_dir import load_spec_and_params
-
-    spec, params = load_spec_and_params(str(models[0]))
-    servable = spec_servable(spec, 1, PREFILL, PREFILL + DECODE, "float32")
+def test_teacher_forcing_feeds_the_text_not_the_predictions(servable):
+    serve, params = servable
     fed = []
 
     def recording_decode(params, tokens, cache):
         fed.append(int(tokens[0]))
-        return servable.decode(params, tokens, cache)
+        return serve.decode(params, tokens, cache)
 
-    tokens = np.asarray(byte_tokenizer().encode(TEXT.read_text()), np.int32)[:PREFILL + DECODE + 1]
-    recording = servable.__class__(**{**servable.__dict__, "decode": recording_decode})
+    tokens = _text_tokens()
+    recording = serve.__class__(**{**serve.__dict__, "decode": recording_decode})
     predictions = teacher_forced_predictions(recording, params, tokens, PREFILL, DECODE)
     assert fed == tokens[PREFILL:PREFILL + DECODE].tolist()
     assert len(predictions) == DECODE + 1
-    assert (predictions[:-1] != tokens[PREFILL + 1:PREFILL + DECODE + 1]).any()  # the model does not just echo the text
+    assert (predictions[:-1] != tokens[PREFILL + 1:PREFILL + DECODE + 1]).any()  # the model does not echo the text
+
+
+@pytest.mark.slow
+def test_a_stored_reference_gives_the_scores_of_its_directory(models, float32_run, tmp_path):
+    perturbed = _model_dir(tmp_path / "perturbed", models[1])
+    stored = _evaluate(str(perturbed), "--reference", str(float32_run[1]))
+    computed = _evaluate(str(perturbed), "--reference", str(models[0]))
+    assert (stored["top1"], stored["top5"]) == (computed["top1"], computed["top5"]) and stored["top1"] < 100.0
 
 
 def test_bad_inputs_are_one_clear_error(models, capsys, tmp_path):
-    model, _ = models
+    model = str(models[0])
     short = tmp_path / "short.txt"
     short.write_text("too short")
-    assert main(["eval", "accuracy", str(model), "--text", str(short), "--tokenizer", "bytes", *SIZES]) == 1
+    assert main(["eval", "accuracy", model, "--text", str(short), "--tokenizer", "bytes", *SIZES]) == 1
     assert "mxc: error: --text" in capsys.readouterr().err
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"not an npz")
-    assert main(["eval", "accuracy", str(model), "--text", str(TEXT), "--tokenizer", "bytes",
+    assert main(["eval", "accuracy", model, "--text", str(TEXT), "--tokenizer", "bytes",
                  "--reference", str(bad), *SIZES]) == 1
     assert f"mxc: error: {bad}" in capsys.readouterr().err
-    assert main(["eval", "accuracy", str(model), "--text", str(TEXT), *SIZES]) == 1
+    assert main(["eval", "accuracy", model, "--text", str(TEXT), *SIZES]) == 1
     assert "--tokenizer" in capsys.readouterr().err

@@ -180,7 +180,9 @@ def _spec_model(args):
     # The prefill is as wide as the measurement's, so that the accuracy's prefill is one call; the
     # speed's own prefill is the prompt's width (an artifact has one width for both).
     servable = spec_servable(spec, 1, args.prefill, cache, dtype)
-    speed = spec_servable(spec, 1, args.speed_prompt, max(cache, args.speed_prompt + args.speed_steps), dtype)
+    speed_cache = max(cache, args.speed_prompt + args.speed_steps)
+    speed = (servable if (args.speed_prompt, speed_cache) == (args.prefill, cache)
+             else spec_servable(spec, 1, args.speed_prompt, speed_cache, dtype))
     return servable, params, speed, spec.name, {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
 
 

