@@ -17,31 +17,73 @@ from pathlib import Path
 PYTHON = sys.executable
 MXC = str(Path(sys.executable).with_name("mxc"))
 
-def _bench_llama(name: str, d_model: int, heads: int, head_dim: int, hidden: int) -> str:
-    """A Llama 3-shaped bench model: tied 32k embedding, 12 layers, GQA with 4 KV heads."""
-    return f"""
-model {name} {{
-  vocab = 32000
-  d_model = {d_model}
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """A Llama-shaped bench model, written both as an .mspec and as a transformers LlamaConfig so
+    that mxc and PyTorch run the same network."""
+
+    name: str
+    vocab: int
+    d_model: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    tied: bool
+    rope_theta: float = 500000.0
+
+    def mspec(self) -> str:
+        return f"""
+model {self.name} {{
+  vocab = {self.vocab}
+  d_model = {self.d_model}
   max_seq = 2048
-  embedding = embedding(tied = true)
+  embedding = embedding(tied = {str(self.tied).lower()})
   final_norm = rmsnorm(eps = 1e-5)
   param_dtype = float32
   compute_dtype = float32
-  block x 12 {{
-    attention = gqa(heads = {heads}, kv_heads = 4, head_dim = {head_dim}, rope = rope(theta = 500000))
-    mlp = glu(hidden = {hidden}, act = silu)
+  block x {self.layers} {{
+    attention = gqa(heads = {self.heads}, kv_heads = {self.kv_heads}, head_dim = {self.head_dim}, rope = rope(theta = {self.rope_theta:g}))
+    mlp = glu(hidden = {self.hidden}, act = silu)
     norm = rmsnorm(eps = 1e-5)
   }}
 }}
 """
 
+    def hf_config(self) -> dict:
+        """transformers.LlamaConfig keyword arguments for the same network."""
+        return {"vocab_size": self.vocab, "hidden_size": self.d_model, "intermediate_size": self.hidden,
+                "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+                "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "rope_theta": self.rope_theta,
+                "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "tie_word_embeddings": self.tied,
+                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
 
-# ~110M parameters: GPT-2-small-sized Llama (d_model 768).
-LLAMA_100M = _bench_llama("bench-llama-100m", d_model=768, heads=12, head_dim=64, hidden=2048)
+    def parameters(self) -> int:
+        attention = self.d_model * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        layer = attention + 3 * self.d_model * self.hidden + 2 * self.d_model
+        return self.vocab * self.d_model * (1 if self.tied else 2) + self.layers * layer + self.d_model
 
-# ~20M parameters: a small Llama 3 (d_model 256).
-LLAMA_20M = _bench_llama("bench-llama-20m", d_model=256, heads=8, head_dim=32, hidden=1024)
+
+# The models the runtime benches run, by preset name. "llama-20m" is the 20.58M-parameter model
+# measured against PyTorch (untied head, four layers); "smollm2-135m" has SmolLM2-135M's shape
+# (HuggingFaceTB/SmolLM2-135M's config.json), with random weights.
+MODELS = {
+    "llama-20m": BenchModel("bench-llama-20m", vocab=32000, d_model=256, layers=4, heads=4, kv_heads=4,
+                            head_dim=64, hidden=1024, tied=False),
+    "llama-20m-v1024": BenchModel("bench-llama-20m-v1024", vocab=1024, d_model=256, layers=4, heads=4, kv_heads=4,
+                                  head_dim=64, hidden=1024, tied=False),
+    "llama-100m": BenchModel("bench-llama-100m", vocab=32000, d_model=768, layers=12, heads=12, kv_heads=4,
+                             head_dim=64, hidden=2048, tied=True),
+    "smollm2-135m": BenchModel("bench-smollm2-135m", vocab=49152, d_model=576, layers=30, heads=9, kv_heads=3,
+                               head_dim=64, hidden=1536, tied=True, rope_theta=100000.0),
+}
+
+# ~100M parameters: GPT-2-small-sized Llama (d_model 768), tied 32k embedding.
+LLAMA_100M = MODELS["llama-100m"].mspec()
 
 
 def cpu_env(**extra: str) -> dict:

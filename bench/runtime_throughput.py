@@ -1,14 +1,18 @@
-"""Training throughput (tokens/s) of a ~20M-parameter Llama on this machine: `mxc run` with a
-precompiled artifact, and MaxText training the same configuration on the same machine in the
-same run, when a MaxText installation is given.
+"""Training throughput (tokens/s) on this machine's CPU: `mxc run` with a precompiled artifact
+against HuggingFace transformers with torch's AdamW training the same network (bench/torch_train.py),
+and MaxText training the same configuration when a MaxText installation is given.
 
-mxc: the median tokens/s of the steps after the first two (the first pays for warming up),
-read from the metrics lines `mxc run` writes. MaxText: `python -m MaxText.train` with the same
-dimensions, sequence length, batch, synthetic data and no checkpoints; its per-step tokens/s
-are read from its metrics file. Both use the one CPU device (`local`, JAX_PLATFORMS=cpu).
+Each side runs `--steps` steps in a fresh process; its rate is batch x seq over the median
+seconds of the steps after the first `--skip` (which pay for warming up). mxc's step seconds
+come from the metrics lines `mxc run` writes. The sides alternate for `--rounds` rounds, so a
+busy moment of the shared machine hits both; the ratios are those of the medians over rounds.
+MaxText: `python -m MaxText.train` with the same dimensions, sequence length, batch, synthetic
+data and no checkpoints; its per-step figures come from its metrics file. All use the CPU
+(`local`, JAX_PLATFORMS=cpu). `--model` picks a preset of runtime_common.MODELS.
 
-    .venv/bin/python bench/runtime_throughput.py [--seq 256] [--batch 4] [--steps 12]
-        [--maxtext-python /tmp/maxtext-venv/bin/python] [--json out.json]
+    .venv/bin/python bench/runtime_throughput.py [--model llama-20m] [--seq 256] [--batch 8]
+        [--steps 40] [--skip 10] [--rounds 3] [--maxtext-python /tmp/maxtext-venv/bin/python]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -23,33 +27,51 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from runtime_common import (LLAMA_20M, PYTHON, byte_tokens, compile_artifact, cpu_env, machine,  # noqa: E402
-                            read_metrics, write_spec)
-
-# The bench model's dimensions in MaxText's config keys (MaxText/configs/base.yml).
-MAXTEXT_MODEL = {"base_emb_dim": 256, "base_num_query_heads": 8, "base_num_kv_heads": 4, "head_dim": 32,
-                 "base_mlp_dim": 1024, "base_num_decoder_layers": 12, "vocab_size": 32000,
-                 "logits_via_embedding": True, "dtype": "float32", "weight_dtype": "float32",
-                 "rope_max_timescale": 500000}
+from runtime_common import (MODELS, PYTHON, BenchModel, byte_tokens, compile_artifact, cpu_env,  # noqa: E402
+                            machine, read_metrics, write_spec)
 
 
-def mxc_artifact(work: Path, seq: int, batch: int) -> tuple[Path, Path, float]:
-    spec = write_spec(work, LLAMA_20M, "bench-llama-20m")
+def maxtext_model(model: BenchModel) -> dict:
+    """The bench model's dimensions in MaxText's config keys (MaxText/configs/base.yml)."""
+    return {"base_emb_dim": model.d_model, "base_num_query_heads": model.heads, "base_num_kv_heads": model.kv_heads,
+            "head_dim": model.head_dim, "base_mlp_dim": model.hidden, "base_num_decoder_layers": model.layers,
+            "vocab_size": model.vocab, "logits_via_embedding": model.tied, "dtype": "float32",
+            "weight_dtype": "float32", "rope_max_timescale": int(model.rope_theta)}
+
+
+def mxc_artifact(model: BenchModel, work: Path, seq: int, batch: int) -> tuple[Path, Path, float]:
+    spec = write_spec(work, model.mspec(), model.name)
     artifact, compile_seconds = compile_artifact(spec, work / "artifact", seq=seq, batch=batch)
     return artifact, byte_tokens(work), compile_seconds
 
 
-def mxc_throughput(artifact: Path, tokens: Path, work: Path, steps: int) -> dict:
+def rates(step_seconds: list[float], tokens_per_step: int, skip: int, wall: float) -> dict:
+    median = statistics.median(step_seconds[skip:])
+    return {"tokens_per_second": round(tokens_per_step / median, 1), "step_seconds": round(median, 4),
+            "run_wall_seconds": round(wall, 1)}
+
+
+def mxc_throughput(artifact: Path, tokens: Path, work: Path, steps: int, skip: int, tokens_per_step: int) -> dict:
     metrics = work / "mxc.jsonl"
+    metrics.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(dir=work) as ckpt:
         started = time.perf_counter()
         subprocess.run([PYTHON, "-m", "mxc.runtime", "run", str(artifact), "--data", str(tokens), "--steps",
                         str(steps), "--ckpt-dir", ckpt, "--metrics", str(metrics), "--quiet"],
                        env=cpu_env(), check=True, capture_output=True, timeout=7200)
         wall = time.perf_counter() - started
-    records = read_metrics(metrics)[2:]
-    return {"tokens_per_second": statistics.median(r["tokens_per_second"] for r in records),
-            "step_seconds": statistics.median(r["step_seconds"] for r in records), "run_wall_seconds": round(wall, 1)}
+    return rates([r["step_seconds"] for r in read_metrics(metrics)], tokens_per_step, skip, wall)
+
+
+def torch_throughput(model: BenchModel, work: Path, seq: int, batch: int, steps: int, skip: int) -> dict:
+    config = work / "hf_config.json"
+    config.write_text(json.dumps(model.hf_config()))
+    started = time.perf_counter()
+    done = subprocess.run([PYTHON, str(Path(__file__).with_name("torch_train.py")), str(config), "--batch", str(batch),
+                           "--seq", str(seq), "--steps", str(steps)],
+                          env=cpu_env(), check=True, capture_output=True, text=True, timeout=7200)
+    wall = time.perf_counter() - started
+    return rates(json.loads(done.stdout)["step_seconds"], batch * seq, skip, wall)
 
 
 # MaxText's trainer module and the package holding configs/base.yml: 0.2.5's layout, then the
@@ -76,7 +98,8 @@ def planned_remat(artifact: Path) -> str:
     return json.loads((artifact / "manifest.json").read_text())["plan"]["remat"]
 
 
-def maxtext_throughput(python: str, work: Path, seq: int, batch: int, steps: int, remat: str) -> dict:
+def maxtext_throughput(python: str, model: BenchModel, work: Path, seq: int, batch: int, steps: int,
+                       remat: str) -> dict:
     """MaxText's own trainer on the same configuration; its metrics file gives per-step figures."""
     found = subprocess.run([python, "-c", _FIND_MAXTEXT.format(layouts=MAXTEXT_LAYOUTS)], capture_output=True,
                            text=True, env=cpu_env())
@@ -90,7 +113,7 @@ def maxtext_throughput(python: str, work: Path, seq: int, batch: int, steps: int
                  "steps": steps, "enable_checkpointing": False, "per_device_batch_size": batch,
                  "max_target_length": seq, "metrics_file": str(metrics), "hardware": "cpu",
                  # One process: nothing to coordinate (MaxText's CPU start-up otherwise expects a job index).
-                 "skip_jax_distributed_system": True, **MAXTEXT_MODEL,
+                 "skip_jax_distributed_system": True, **maxtext_model(model),
                  # The same trade of memory for recomputation as the artifact's plan.
                  "remat_policy": MAXTEXT_REMAT.get(remat, "full")}
     command = [python, "-m", module, str(Path(package_dir) / "configs" / "base.yml"),
@@ -108,41 +131,54 @@ def maxtext_throughput(python: str, work: Path, seq: int, batch: int, steps: int
             "run_wall_seconds": round(wall, 1), "command": " ".join(command)}
 
 
+def median_of(runs: list[dict]) -> float:
+    return statistics.median(r["tokens_per_second"] for r in runs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama-20m")
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--skip", type=int, default=10, help="first steps left out of the rate (warming up)")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--maxtext-python", default="/tmp/maxtext-venv/bin/python",
                         help="a Python with MaxText installed (default: /tmp/maxtext-venv/bin/python)")
     parser.add_argument("--work", default=None)
     parser.add_argument("--json")
     args = parser.parse_args()
+    if not 0 <= args.skip < args.steps:
+        parser.error(f"--skip must leave steps to measure: 0 <= {args.skip} < --steps {args.steps}")
+    model = MODELS[args.model]
     work = Path(args.work or tempfile.mkdtemp(prefix="mxc-bench-throughput-"))
     work.mkdir(parents=True, exist_ok=True)
-    artifact, tokens, compile_seconds = mxc_artifact(work, args.seq, args.batch)
+    artifact, tokens, compile_seconds = mxc_artifact(model, work, args.seq, args.batch)
     has_maxtext = Path(args.maxtext_python).exists()
-    mxc_runs, maxtext_runs = [], []
-    for _ in range(args.repeats):  # interleaved, so a busy moment of the machine hits both sides
-        mxc_runs.append(mxc_throughput(artifact, tokens, work, args.steps))
+    tokens_per_step = args.batch * args.seq
+    mxc_runs, torch_runs, maxtext_runs = [], [], []
+    for _ in range(args.rounds):  # interleaved, so a busy moment of the machine hits every side
+        mxc_runs.append(mxc_throughput(artifact, tokens, work, args.steps, args.skip, tokens_per_step))
+        torch_runs.append(torch_throughput(model, work, args.seq, args.batch, args.steps, args.skip))
         if has_maxtext:
-            maxtext_runs.append(maxtext_throughput(args.maxtext_python, work, args.seq, args.batch, args.steps,
+            maxtext_runs.append(maxtext_throughput(args.maxtext_python, model, work, args.seq, args.batch, args.steps,
                                                    planned_remat(artifact)))
-        print(f"mxc {mxc_runs[-1]}; maxtext {maxtext_runs[-1] if maxtext_runs else None}", file=sys.stderr)
-    result = {"model": "bench-llama-20m (20M parameters)", "seq": args.seq, "batch": args.batch,
-              "mxc": {"tokens_per_second": statistics.median(r["tokens_per_second"] for r in mxc_runs),
-                      "compile_seconds": round(compile_seconds, 1), "remat": planned_remat(artifact),
-                      "runs": mxc_runs}}
+        print(f"mxc {mxc_runs[-1]}; transformers {torch_runs[-1]}; maxtext {maxtext_runs[-1] if maxtext_runs else None}",
+              file=sys.stderr)
+    result = {"model": f"{args.model} ({model.parameters() / 1e6:.2f}M parameters, float32)", "seq": args.seq,
+              "batch": args.batch, "steps": args.steps, "measured_steps": f"{args.skip}-{args.steps - 1}",
+              "rounds": args.rounds,
+              "mxc": {"tokens_per_second": median_of(mxc_runs), "compile_seconds": round(compile_seconds, 1),
+                      "remat": planned_remat(artifact), "runs": mxc_runs},
+              "transformers": {"tokens_per_second": median_of(torch_runs), "runs": torch_runs}}
+    result["ratio_mxc_over_transformers"] = round(median_of(mxc_runs) / median_of(torch_runs), 2)
     if not has_maxtext:
         result["maxtext"] = {"error": f"no MaxText installation at {args.maxtext_python}"}
     elif any("error" in r for r in maxtext_runs):
         result["maxtext"] = next(r for r in maxtext_runs if "error" in r)
     else:
-        result["maxtext"] = {"tokens_per_second": statistics.median(r["tokens_per_second"] for r in maxtext_runs),
-                             "runs": maxtext_runs}
-        result["ratio_mxc_over_maxtext"] = round(result["mxc"]["tokens_per_second"]
-                                                 / result["maxtext"]["tokens_per_second"], 2)
+        result["maxtext"] = {"tokens_per_second": median_of(maxtext_runs), "runs": maxtext_runs}
+        result["ratio_mxc_over_maxtext"] = round(median_of(mxc_runs) / median_of(maxtext_runs), 2)
     result["machine"] = machine()
     print(json.dumps(result, indent=2))
     if args.json:
