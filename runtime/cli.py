@@ -158,7 +158,8 @@ def add_tokenize_parser(subparsers) -> None:
                     "--tokenizer, bytes: ids 0-255 and 256 for the end of a document.")
     parser.add_argument("inputs", nargs="+", metavar="INPUT")
     parser.add_argument("-o", "--output", required=True, metavar="TOKENS.bin")
-    parser.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (HF tokenizers) or tokenizer.model "
+    parser.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (HF tokenizers), a directory holding one "
+                                                            "(e.g. a model of mxc import-gguf) or tokenizer.model "
                                                             "(sentencepiece)")
     parser.add_argument("--eod-token", metavar="TOKEN", help="the tokenizer's end-of-document token")
     parser.add_argument("--split", choices=SPLITS, default="file",
@@ -343,9 +344,10 @@ def generate_command(args) -> int:
     servable = servable_from_program(program)
     # A checkpoint of another spec is refused before its arrays are read.
     params = restore_params(args.params, servable.abstract_params, identity=artifact_identity(program.manifest))
-    on_tokens = text.on_tokens if text is not None and jax.process_index() == 0 else None
+    if text is not None:
+        text.silent = jax.process_index() != 0
     tokens, report = generate(servable, params, prompts, args.max_new, sampling=sampling, seed=args.seed,
-                              on_tokens=on_tokens)
+                              on_tokens=text.on_tokens if text is not None else None)
     if jax.process_index() == 0:
         if text is not None:
             text.finish()

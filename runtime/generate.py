@@ -107,10 +107,17 @@ def _host(tokens: jax.Array) -> np.ndarray:
                       else tokens.addressable_data(0))
 
 
+# on_tokens(requests, tokens) -> stop: called with the requests that got a new token at this step
+# and those tokens, as soon as they reach the host; True ends the group's generation there.
+OnTokens = Callable[[np.ndarray, np.ndarray], bool]
+
+
 def generate(servable: Servable, params, prompts: np.ndarray, max_new: int, *,
-             sampling: Sampling = Sampling(), seed: int = 0) -> tuple[np.ndarray, GenerationReport]:
+             sampling: Sampling = Sampling(), seed: int = 0,
+             on_tokens: OnTokens | None = None) -> tuple[np.ndarray, GenerationReport]:
     """Prompts [requests, width] (rows ending in PAD where shorter) -> (the prompt array followed by
-    max_new new tokens per row, [requests, width + max_new]; timings)."""
+    max_new new tokens per row, [requests, width + max_new]; timings). A group stopped early by
+    `on_tokens` (a streaming caller at its end-of-sequence token) has PAD in the slots it did not fill."""
     lengths = prompt_lengths(servable, prompts, max_new)
     requests, width = prompts.shape
     prompt_len = servable.prompt_len
@@ -118,7 +125,7 @@ def generate(servable: Servable, params, prompts: np.ndarray, max_new: int, *,
     padded = np.zeros((requests, max(width, prompt_len)), np.int32)
     padded[:, :width] = np.where(prompts == PAD, 0, prompts)
     started = time.perf_counter()
-    outputs, first_token_times, decode_seconds = [], [], 0.0
+    outputs, first_token_times, decode_seconds, decoded = [], [], 0.0, 0
     groups = -(-requests // servable.batch)
     for group in range(groups):
         first, end = group * servable.batch, min((group + 1) * servable.batch, requests)
@@ -127,7 +134,7 @@ def generate(servable: Servable, params, prompts: np.ndarray, max_new: int, *,
         group_started = time.perf_counter()
         logits, cache = servable.prefill(params, padded[rows, :prompt_len], prefilled[rows])
         fed, length = prefilled[rows].copy(), lengths[rows]
-        new = np.zeros((servable.batch, max_new), np.int32)
+        new = np.full((servable.batch, max_new), PAD, np.int32)
         made = np.zeros(servable.batch, np.int32)  # new tokens of each row so far
         first_at = None
         while True:
@@ -139,7 +146,12 @@ def generate(servable: Servable, params, prompts: np.ndarray, max_new: int, *,
             if first_at is None and made.all():
                 first_at = time.perf_counter()  # waiting on the host bounds the steps in flight, too
                 first_token_times.append(first_at - group_started)
-            if (made == max_new).all():
+            stop = on_tokens is not None and bool(on_tokens(rows[:end - first][ready[:end - first]],
+                                                            token[:end - first][ready[:end - first]]))
+            if (made == max_new).all() or stop:
+                if first_at is None:
+                    first_at = time.perf_counter()
+                    first_token_times.append(first_at - group_started)
                 break
             feeding = fed < length
             feed = np.where(feeding, padded[rows, np.minimum(fed, padded.shape[1] - 1)],
@@ -147,13 +159,14 @@ def generate(servable: Servable, params, prompts: np.ndarray, max_new: int, *,
             fed += feeding
             logits, cache = servable.decode(params, feed.astype(np.int32), cache)
         decode_seconds += time.perf_counter() - first_at
+        decoded += int(made.max()) - 1  # a user's tokens after its first (fewer when stopped early)
         outputs.append(new[:end - first])
     seconds = time.perf_counter() - started
     report = GenerationReport(
         requests=requests, groups=groups, prompt_tokens=int(lengths.max()), new_tokens=max_new,
         time_to_first_token_s=float(np.mean(first_token_times)),
-        decode_tokens_per_second_per_user=(groups * (max_new - 1) / decode_seconds
-                                           if max_new > 1 and decode_seconds > 0 else None),
+        decode_tokens_per_second_per_user=(decoded / decode_seconds if decoded > 0 and decode_seconds > 0
+                                           else None),
         total_tokens_per_second=requests * max_new / seconds, seconds=seconds)
     dtype = np.result_type(prompts.dtype, np.int32)
     return np.concatenate([prompts.astype(dtype), np.concatenate(outputs).astype(dtype)], axis=1), report

@@ -2,8 +2,8 @@
 
 Documents: a `.jsonl` input holds one document per line (its `text` field); any other input is
 UTF-8 text, one document per file, or per paragraph / line with `split=`. Every document is
-followed by the tokenizer's end-of-document id, which the packer uses to keep the loss from
-crossing documents.
+followed by the tokenizer's end-of-document id, which the packer uses to keep attention and the
+loss inside each document.
 
 The byte-level fallback needs no tokenizer: ids 0-255 are the UTF-8 bytes and 256 ends a
 document, so a model needs a vocabulary of at least 257 (llama3-tiny has 512).
@@ -75,10 +75,13 @@ def sentencepiece_tokenizer(path: Path, eod_token: str | None = None) -> Tokeniz
 
 
 def load_tokenizer(path: str | None, eod_token: str | None = None) -> Tokenizer:
-    """A `.model` file is sentencepiece, anything else HF JSON; None is the byte-level fallback."""
+    """A `.model` file is sentencepiece, anything else HF JSON (a directory: its tokenizer.json, as
+    an imported model directory holds it); None is the byte-level fallback."""
     if path is None:
         return byte_tokenizer()
     path = Path(path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
     if not path.is_file():
         raise TokenizerError(f"{path}: no such tokenizer file")
     if path.suffix == ".model":

@@ -1,5 +1,6 @@
-"""`mxc generate MODEL --prompt-tokens prompt.npy --max-new N -o tokens.npy`: decoding with a KV
-cache, greedy (the default) or sampled with temperature, top-k and top-p."""
+"""`mxc generate MODEL --prompt-tokens prompt.npy --max-new N -o tokens.npy` (or `--prompt TEXT
+[--chat]`, the answer streamed as text): decoding with a KV cache, greedy (the default) or
+sampled with temperature, top-k and top-p."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ def register(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Decode N new tokens after each prompt row with a KV cache and write prompt plus new "
                     "tokens, shape (batch, prompt + N). Greedy unless --temperature, --top-k or --top-p "
-                    "asks for sampling.\n\n"
+                    "asks for sampling. With --prompt TEXT the text is tokenized with the model's tokenizer "
+                    "(MODEL/tokenizer.json of an imported model, or --tokenizer DIR), --chat applies its chat "
+                    "template, and the answer is printed to stdout as it is decoded, up to the "
+                    "end-of-sequence token.\n\n"
                     "MODEL is one of two forms:\n"
-                    "  a spec or import-hf directory: prefill and decode are jitted here, in --dtype;\n"
+                    "  a spec or an import-hf / import-gguf directory: prefill and decode are jitted\n"
+                    "    here, in --dtype;\n"
                     "  an ARTIFACT of `mxc compile --serve`: its precompiled prefill and decode run\n"
                     "    (python -m mxc.runtime generate); --params CKPT is required, the dtype is\n"
                     "    the artifact's (--dtype is refused) and --report writes the timings.")
@@ -38,12 +43,13 @@ def runtime_arguments(args: argparse.Namespace) -> list[str]:
     if args.dtype is not None:
         raise UserError(f"--dtype does not apply to the artifact {args.model}: its compute dtype was fixed "
                         "when it was compiled (recompile with mxc compile --dtype)")
-    arguments = [args.model, "--params", args.params, "--prompt-tokens", args.prompt_tokens,
-                 "--max-new", str(args.max_new), "--seed", str(args.seed), "-o", args.output]
-    if args.greedy:
-        arguments.append("--greedy")
-    for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k), ("--top-p", args.top_p),
-                        ("--report", args.report)):
+    arguments = [args.model, "--params", args.params, "--max-new", str(args.max_new), "--seed", str(args.seed)]
+    for flag, given in (("--greedy", args.greedy), ("--chat", args.chat)):
+        if given:
+            arguments.append(flag)
+    for flag, value in (("--prompt-tokens", args.prompt_tokens), ("--prompt", args.prompt),
+                        ("--tokenizer", args.tokenizer), ("-o", args.output), ("--temperature", args.temperature),
+                        ("--top-k", args.top_k), ("--top-p", args.top_p), ("--report", args.report)):
         if value is not None:
             arguments += [flag, str(value)]
     for key in args.trusted_key or ():
@@ -78,14 +84,16 @@ def handler(args: argparse.Namespace) -> int:
         raise UserError("--report writes the timings of an artifact's precompiled prefill and decode; "
                         f"{args.model} is no artifact (compile it with mxc compile --serve)")
 
+    from mxc.compiler.hf.model_dir import tokenizer_dir
     from mxc.runtime.cli import CommandError, sampling_from
     from mxc.runtime.generate import GenerationError, generate
+    from mxc.runtime.text_generation import TextError, generation_inputs
 
     try:
         sampling = sampling_from(args)
-    except CommandError as err:
+        prompts, text = generation_inputs(args, tokenizer_dir(args.model))
+    except (CommandError, TextError) as err:
         raise UserError(str(err)) from None
-    prompts = read_prompt_array(args.prompt_tokens)
     spec, params = load(args)
     if prompts.ndim != 2 or prompts.shape[1] == 0:
         raise UserError(f"--prompt-tokens {args.prompt_tokens} needs at least one token per row, shape "
@@ -94,17 +102,14 @@ def handler(args: argparse.Namespace) -> int:
     servable = spec_servable(spec, max(len(prompts), 1), width, width + max(args.max_new, 1) - 1,
                              args.dtype or "float32")
     try:
-        tokens, _ = generate(servable, params, prompts, args.max_new, sampling=sampling, seed=args.seed)
+        tokens, _ = generate(servable, params, prompts, args.max_new, sampling=sampling, seed=args.seed,
+                             on_tokens=text.on_tokens if text is not None else None)
     except GenerationError as err:
-        raise UserError(f"--prompt-tokens {args.prompt_tokens}: {err}") from None
-    np.save(args.output, tokens.astype(prompts.dtype))
+        source = "--prompt" if text is not None else f"--prompt-tokens {args.prompt_tokens}"
+        raise UserError(f"{source}: {err}") from None
+    if text is not None:
+        text.finish()
+    if args.output:
+        np.save(args.output, tokens.astype(prompts.dtype))
     return 0
 
-
-def read_prompt_array(path: str):
-    from mxc.runtime.prompt_file import PromptFileError, read_prompt_array as read
-
-    try:
-        return read(path, "--prompt-tokens")
-    except PromptFileError as err:
-        raise UserError(str(err)) from None

@@ -17,9 +17,7 @@ import json
 from pathlib import Path
 
 from mxc.compiler.gguf.file import GGUFError, GGUFFile
-
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+from mxc.runtime.text_generation import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 CONTROL, USER_DEFINED = 3, 4
 
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"

@@ -23,6 +23,34 @@ def default_params_path(ref: str) -> Path | None:
     return Path(ref) / PARAMS_DIR if is_model_dir(ref) else None
 
 
+def tokenizer_dir(ref: str) -> Path | None:
+    """The model directory, when it holds a tokenizer (what import-gguf and import-hf write)."""
+    from mxc.runtime.text_generation import TOKENIZER_FILE
+
+    return Path(ref) if is_model_dir(ref) and (Path(ref) / TOKENIZER_FILE).is_file() else None
+
+
+# The tokenizer files of an HF checkpoint that `mxc import-hf` places beside the model, where
+# generate --prompt and tokenize --tokenizer find them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "chat_template.jinja", "generation_config.json")
+
+
+def copy_tokenizer(hf_dir: str | Path, out_dir: str | Path) -> list[str]:
+    """Copies the tokenizer files `hf_dir` has into `out_dir`; returns their names."""
+    import shutil
+
+    from mxc.compiler.hf.convert import _copyable
+
+    copied = []
+    for name in TOKENIZER_FILES:
+        source = Path(hf_dir) / name
+        if _copyable(source, Path(hf_dir)):
+            shutil.copy2(source, Path(out_dir) / name)
+            copied.append(name)
+    return copied
+
+
 def load_spec_and_params(ref: str, params_path: str | None = None) -> tuple[ModelSpec, dict]:
     """The spec and its parameters, as arrays of the spec's param_dtype on one device (whatever
     mesh the checkpoint was saved from)."""
