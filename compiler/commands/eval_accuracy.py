@@ -202,11 +202,10 @@ def _artifact(args):
 
 
 def artifact_precision(manifest) -> str:
-    """The compute dtype and, where the artifact was compiled quantized, its configuration."""
+    """The compute dtype and, where the artifact was compiled with one, its quantization configuration."""
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(manifest.spec.get("compute_dtype"), "?")
-    quantized = next((where.get("quantize") for where in (manifest.run, manifest.spec)
-                      if isinstance(where, dict) and where.get("quantize") not in (None, "fp32", "bf16")), None)
-    return f"{quantized} ({dtype} compute)" if quantized else dtype
+    quantized = manifest.spec.get("quantize")  # the configuration it was compiled with (mxc compile --quantize)
+    return f"{quantized} ({dtype} compute)" if quantized not in (None, dtype) else dtype
 
 
 def _reference(args, tokens):
