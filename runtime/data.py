@@ -5,12 +5,20 @@ is cut into windows of seq + 1 tokens that overlap by one (window i starts at to
 every token is a target exactly once; a window's first seq tokens are the inputs, its last seq
 the targets. Documents are packed back to back, with no padding.
 
-Document boundaries. The compiled train step takes inputs, targets and a loss mask, not
-segment ids, so attention inside a window still sees the end of the previous document (as in
-GPT-2's and nanoGPT's packing). What the mask does remove is the one prediction that crosses a
-boundary: the target after an end-of-document token (the first token of the next document),
-which nothing in the context can predict. Predicting the end-of-document token itself stays in
-the loss: that is how a model learns to stop.
+Document masking. A window holds the end of one document and the start of the next. Each row
+carries segment ids (1 for the window's first document, one more after every end-of-document
+input) and positions that restart at 0 where a document starts, as MaxText's packing does
+(`inputs_segmentation`, `inputs_position`): the model's attention stays inside a document and
+RoPE counts from the document's start, so every document is trained as if it ran alone. A
+document cut by the window's start counts from the window's start (rotary attention sees only
+position differences). With `doc_mask=False`, or a file without an end-of-document id, a row is
+one segment at positions 0..seq-1: attention then sees across documents (GPT-2's and nanoGPT's
+packing).
+
+The loss mask removes the one prediction that crosses a boundary: the target after an
+end-of-document input (the first token of the next document), which nothing in its document
+can predict. Predicting the end-of-document token itself stays in the loss: that is how a model
+learns to stop.
 
 Order. Each epoch visits every window once, in a permutation drawn from (seed, epoch); the
 stream's position is the number of windows consumed, so one integer (saved in the checkpoint)
@@ -37,7 +45,7 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """The shape the compiled step takes: [batch, seq] inputs, targets and mask, and their layout."""
+    """The shape the compiled step takes: [batch, seq] arrays (BATCH_KEYS), and their layout."""
 
     batch: int
     seq: int
@@ -45,13 +53,31 @@ class BatchLayout:
     mask_dtype: np.dtype = np.dtype(np.float32)
 
 
-class PackedSequences:
-    """The windows of a token file: (inputs, targets, mask) rows of length seq."""
+# What a batch holds, each [batch, seq]; the compiled train and eval steps take all of them.
+BATCH_KEYS = ("inputs", "targets", "mask", "segment_ids", "positions")
 
-    def __init__(self, tokens: TokenFile, seq: int, *, vocab_size: int | None = None):
+
+def document_layout(inputs: np.ndarray, eod_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(segment_ids, positions) of [rows, seq] inputs: a new document starts after each
+    end-of-document input; segment ids count documents from 1, positions restart at 0."""
+    rows, seq = inputs.shape
+    starts = np.zeros(inputs.shape, bool)
+    starts[:, 1:] = inputs[:, :-1] == eod_id
+    segment_ids = 1 + np.cumsum(starts, axis=1)
+    index = np.broadcast_to(np.arange(seq), inputs.shape)
+    start_index = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    return segment_ids.astype(np.int32), (index - start_index).astype(np.int32)
+
+
+class PackedSequences:
+    """The windows of a token file: rows of length seq holding BATCH_KEYS. `doc_mask` gives each
+    document its own segment and positions (when the file marks documents)."""
+
+    def __init__(self, tokens: TokenFile, seq: int, *, vocab_size: int | None = None, doc_mask: bool = True):
         self.tokens = tokens
         self.seq = seq
         self.vocab_size = vocab_size
+        self.doc_mask = doc_mask
         self.count = max((len(tokens) - 1) // seq, 0)
         if self.count == 0:
             raise DataError(f"{tokens.path}: {len(tokens)} tokens do not fill one sequence of "
@@ -65,18 +91,25 @@ class PackedSequences:
                             f"vocabulary of {vocab_size}")
 
     def rows(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        """Windows `indices` as {inputs, targets, mask} arrays [len(indices), seq]."""
+        """Windows `indices` as BATCH_KEYS arrays [len(indices), seq]."""
         offsets = np.asarray(indices, np.int64)[:, None] * self.seq + np.arange(self.seq + 1)
         windows = np.asarray(self.tokens.tokens[offsets.ravel()], np.int64).reshape(offsets.shape)
         if self.vocab_size is not None and windows.size and windows.max() >= self.vocab_size:
             raise DataError(f"{self.tokens.path}: token id {windows.max()} is outside the model's "
                             f"vocabulary of {self.vocab_size}")
         inputs, targets = windows[:, :-1], windows[:, 1:]
-        if self.tokens.eod_id is None:
+        eod_id = self.tokens.eod_id
+        if eod_id is None:
             mask = np.ones(inputs.shape, bool)
         else:
-            mask = inputs != self.tokens.eod_id
-        return {"inputs": inputs.astype(np.int32), "targets": targets.astype(np.int32), "mask": mask}
+            mask = inputs != eod_id
+        if self.doc_mask and eod_id is not None:
+            segment_ids, positions = document_layout(inputs, eod_id)
+        else:
+            segment_ids = np.ones(inputs.shape, np.int32)
+            positions = np.broadcast_to(np.arange(self.seq, dtype=np.int32), inputs.shape)
+        return {"inputs": inputs.astype(np.int32), "targets": targets.astype(np.int32), "mask": mask,
+                "segment_ids": segment_ids, "positions": positions}
 
 
 class ShuffledOrder:
@@ -124,19 +157,21 @@ def global_batch(sequences: PackedSequences, order, layout: BatchLayout, first: 
             host_rows[start, stop] = sequences.rows(order(np.arange(first + start, first + stop)))
         return host_rows[start, stop]
 
-    dtypes = {"inputs": np.int32, "targets": np.int32, "mask": layout.mask_dtype}
+    dtypes = {"inputs": np.int32, "targets": np.int32, "mask": layout.mask_dtype,
+              "segment_ids": np.int32, "positions": np.int32}
     return {name: jax.make_array_from_callback(
                 shape, layout.sharding,
                 lambda index, name=name: rows_for(index)[name][:, index[1]].astype(dtypes[name]))
-            for name in ("inputs", "targets", "mask")}
+            for name in BATCH_KEYS}
 
 
 class TrainData:
     """The training stream: shuffled windows, one global batch per call, and its position."""
 
-    def __init__(self, tokens: TokenFile, layout: BatchLayout, *, seed: int, vocab_size: int | None = None):
+    def __init__(self, tokens: TokenFile, layout: BatchLayout, *, seed: int, vocab_size: int | None = None,
+                 doc_mask: bool = True):
         self.layout = layout
-        self.sequences = PackedSequences(tokens, layout.seq, vocab_size=vocab_size)
+        self.sequences = PackedSequences(tokens, layout.seq, vocab_size=vocab_size, doc_mask=doc_mask)
         self.seed = seed
         _ = tokens.fingerprint  # computed now (for a .npy), before any step, not at the first save
         self.order = ShuffledOrder(self.sequences.count, seed)
@@ -176,9 +211,10 @@ class TrainData:
         self.consumed = int(position["consumed"])
 
 
-def eval_batches(tokens: TokenFile, layout: BatchLayout, count: int, *, vocab_size: int | None = None):
+def eval_batches(tokens: TokenFile, layout: BatchLayout, count: int, *, vocab_size: int | None = None,
+                 doc_mask: bool = True):
     """The first `count` batches of a file in order (fewer if it is short): the same every time."""
-    sequences = PackedSequences(tokens, layout.seq, vocab_size=vocab_size)
+    sequences = PackedSequences(tokens, layout.seq, vocab_size=vocab_size, doc_mask=doc_mask)
     count = max(1, min(count, sequences.count // layout.batch))
     order = SequentialOrder(sequences.count)
     for b in range(count):

@@ -16,8 +16,8 @@ Two formats are read:
                         "fingerprint": "<sha256 hex of the ids>"}
       bytes 12 + n.. the tokens, little-endian, `tokens` of them and nothing after
 
-A document ends with `eod_id`; the packer (data.py) uses it to keep the loss from crossing
-documents. uint16 holds vocabularies up to 65,536 ids, uint32 the rest.
+A document ends with `eod_id`; the packer (data.py) uses it to keep attention and the loss
+inside each document. uint16 holds vocabularies up to 65,536 ids, uint32 the rest.
 
 Fingerprint. A file's content is named by the sha256 of its ids written as little-endian int64,
 so the same ids have one fingerprint whether a .bin holds them as uint16 or a .npy as int32. A

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from mxc.runtime.artifact import ArtifactError
-from mxc.runtime.data import BatchLayout
+from mxc.runtime.data import BATCH_KEYS, BatchLayout
 
 TRAIN_FUNCTION, EVAL_FUNCTION, INIT_FUNCTION = "train_step", "eval_step", "init"
 
@@ -55,9 +55,10 @@ def abstract_argument(function, argument: int):
 
 def _batch_layout(function, argument: int) -> BatchLayout:
     found = {path[0]: (leaf, sharding) for path, leaf, sharding in _leaves(function, argument)}
-    missing = {"inputs", "targets", "mask"} - set(found)
+    missing = set(BATCH_KEYS) - set(found)
     if missing:
-        raise ArtifactError(f"{function.name}'s batch has no {', '.join(sorted(missing))}")
+        raise ArtifactError(f"{function.name}'s batch has no {', '.join(sorted(missing))}; "
+                            f"compile the artifact again with this mxc")
     leaf, sharding = found["inputs"]
     batch, seq = leaf.shape
     return BatchLayout(batch, seq, sharding, np.dtype(found["mask"][0].dtype))

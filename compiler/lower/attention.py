@@ -36,8 +36,9 @@ def _temperature(tuning, positions):
 
 def attention_layer(att, params: dict, x: jax.Array, positions: jax.Array, *, cache: dict | None = None,
                     cache_index: jax.Array | None = None, cache_positions: jax.Array | None = None,
-                    impl: str = "xla") -> tuple[jax.Array, dict | None]:
+                    segment_ids: jax.Array | None = None, impl: str = "xla") -> tuple[jax.Array, dict | None]:
     """x [batch, seq, embed] at positions [batch, seq] -> ([batch, seq, embed], updated cache slice).
+    segment_ids [batch, seq] keeps a packed sequence's documents apart (training; no cache).
 
     With a cache ({"k", "v"}: [batch, cache_seq, kv_heads, head_dim]) the new keys and values are
     written at cache_index and the query attends to every slot, visible by cache_positions (which
@@ -73,7 +74,7 @@ def attention_layer(att, params: dict, x: jax.Array, positions: jax.Array, *, ca
     scalar = att.query_pre_attn_scalar if att.query_pre_attn_scalar is not None else att.head_dim
     context = attend(q, k, v, q_positions=positions, kv_positions=kv_positions, scale=scalar ** -0.5,
                      window=att.window, chunk=att.chunk, softcap=att.softcap,
-                     sinks=params.get("sinks"), impl=impl)
+                     sinks=params.get("sinks"), segment_ids=segment_ids, impl=impl)
     context = checkpoint_name(context, "context")
     out = _project(context, params["o"], dtype, "bshd,hde->bse")
     out = checkpoint_name(constrain(out, ("batch", "seq", "embed")), "out_proj")

@@ -1,10 +1,12 @@
 """The one attention core: training, prefill and decode all call `attend`.
 
 Which keys a query sees is decided by positions, not by array indices: a key is visible when
-it is not in the query's future, lies inside the sliding window and the same chunk. A KV cache's
-empty slots carry the position EMPTY_SLOT, which is in every query's future, so a cache of any
-length needs no separate length mask. `impl` picks the implementation; "xla" (einsum, softmax in
-float32) runs everywhere and is the numerical reference.
+it is not in the query's future, lies inside the sliding window and the same chunk, and (for a
+packed training sequence) belongs to the same document: segment ids name each token's document,
+and positions restart at 0 where a document starts, so windows and chunks count from each
+document's start. A KV cache's empty slots carry the position EMPTY_SLOT, which is in every
+query's future, so a cache of any length needs no separate length mask. `impl` picks the
+implementation; "xla" (einsum, softmax in float32) runs everywhere and is the numerical reference.
 """
 
 from __future__ import annotations
@@ -18,11 +20,16 @@ EMPTY_SLOT = 2**30  # position of a cache slot that holds no key yet
 
 
 def visible(q_positions: jax.Array, kv_positions: jax.Array, *, window: int | None = None,
-            chunk: int | None = None) -> jax.Array:
-    """[batch, seq, kv_seq] booleans: may the query at q_positions see the key at kv_positions?"""
+            chunk: int | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
+    """[batch, seq, kv_seq] booleans: may the query at q_positions see the key at kv_positions?
+    segment_ids [batch, seq] (queries and keys the same tokens) keeps each to its own document."""
     q = q_positions[:, :, None]
     k = kv_positions[:, None, :]
     mask = k <= q
+    if segment_ids is not None:
+        # Positions restart in every document, so a later document's keys can have positions
+        # below the query's: only the segment test keeps them out.
+        mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
     if window is not None:
         # The window counts the query itself: it sees keys at q - window + 1 ... q (HF and Mistral).
         mask &= k > q - window
@@ -31,8 +38,8 @@ def visible(q_positions: jax.Array, kv_positions: jax.Array, *, window: int | No
     return mask
 
 
-def _attend_xla(q, k, v, *, q_positions, kv_positions, scale, window, chunk, softcap, sinks):
-    mask = visible(q_positions, kv_positions, window=window, chunk=chunk)
+def _attend_xla(q, k, v, *, q_positions, kv_positions, scale, window, chunk, softcap, sinks, segment_ids):
+    mask = visible(q_positions, kv_positions, window=window, chunk=chunk, segment_ids=segment_ids)
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     groups = heads // kv_heads
@@ -59,21 +66,28 @@ IMPLEMENTATIONS = {"xla": _attend_xla}
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, kv_positions: jax.Array,
            scale: float, window: int | None = None, chunk: int | None = None,
-           softcap: float | None = None, sinks: jax.Array | None = None, impl: str = "xla") -> jax.Array:
+           softcap: float | None = None, sinks: jax.Array | None = None,
+           segment_ids: jax.Array | None = None, impl: str = "xla") -> jax.Array:
     """Causal attention.
 
     q [batch, seq, heads, head_dim]; k [batch, kv_seq, kv_heads, head_dim]; v [batch, kv_seq,
     kv_heads, value_dim], where value_dim may differ from head_dim (MLA);
-    q_positions [batch, seq] and kv_positions [batch, kv_seq] int32; sinks [heads] or None.
+    q_positions [batch, seq] and kv_positions [batch, kv_seq] int32; sinks [heads] or None;
+    segment_ids [batch, seq] int32 for self-attention over a packed sequence (seq == kv_seq, each
+    document's positions counting from 0), None for one document per row (and with a KV cache).
     Returns [batch, seq, heads, value_dim] in v's dtype.
     """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation '{impl}'; have: {', '.join(IMPLEMENTATIONS)}")
+    if segment_ids is not None and not (segment_ids.shape == q.shape[:2] and q.shape[1] == k.shape[1]):
+        raise ValueError(f"segment ids {segment_ids.shape} are for self-attention over one packed sequence; "
+                         f"got {q.shape[1]} queries against {k.shape[1]} keys")
     value_dim = v.shape[-1]
     if impl != "xla" and value_dim != q.shape[-1]:
         q, k, v = _equal_head_dims(q, k, v)
     out = IMPLEMENTATIONS[impl](q, k, v, q_positions=q_positions, kv_positions=kv_positions, scale=scale,
-                                window=window, chunk=chunk, softcap=softcap, sinks=sinks)
+                                window=window, chunk=chunk, softcap=softcap, sinks=sinks,
+                                segment_ids=segment_ids)
     return constrain(out[..., :value_dim], ("batch", "seq", "heads", "head_dim"))
 
 

@@ -87,12 +87,14 @@ def _absorbed(att, params, q_nope, q_rope, latent, k_rope, dtype, **core):
 
 def mla_layer(att: MLA, params: dict, x: jax.Array, positions: jax.Array, *, cache: dict | None = None,
               cache_index: jax.Array | None = None, cache_positions: jax.Array | None = None,
-              impl: str = "xla", absorb: bool | None = None) -> tuple[jax.Array, dict | None]:
+              segment_ids: jax.Array | None = None, impl: str = "xla",
+              absorb: bool | None = None) -> tuple[jax.Array, dict | None]:
     """x [batch, seq, embed] at positions [batch, seq] -> ([batch, seq, embed], updated cache slice).
 
     With a cache ({"latent": [batch, cache_seq, kv_lora], "k_rope": [batch, cache_seq, rope]}) this
     step's latents are written at cache_index and the queries attend to every slot, visible by
-    cache_positions (already updated by the caller). `absorb` picks the form (default: absorbed
+    cache_positions (already updated by the caller). segment_ids [batch, seq] keeps a packed
+    sequence's documents apart (training; no cache). `absorb` picks the form (default: absorbed
     exactly when there is a cache); both give the same result up to rounding."""
     absorb = cache is not None if absorb is None else absorb
     dtype = x.dtype
@@ -123,7 +125,7 @@ def mla_layer(att: MLA, params: dict, x: jax.Array, positions: jax.Array, *, cac
     scalar = att.query_pre_attn_scalar if att.query_pre_attn_scalar is not None else att.head_dim
     core = dict(q_positions=positions, kv_positions=kv_positions,
                 scale=scalar ** -0.5 * softmax_scale_correction(att.rope), softcap=att.softcap,
-                sinks=params.get("sinks"), impl=impl)
+                sinks=params.get("sinks"), segment_ids=segment_ids, impl=impl)
     form = _absorbed if absorb else _expanded
     context = checkpoint_name(form(att, params, q_nope, q_rope, latent, k_rope, dtype, **core), "context")
     out = _project(context, params["o"], dtype, "bshd,hde->bse")

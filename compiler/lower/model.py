@@ -1,10 +1,13 @@
 """The forward pass: embed, run each segment of layers with one lax.scan, normalise, project.
 
-    forward(spec, params, tokens, *, positions=None, cache=None, remat_policy=None,
+    forward(spec, params, tokens, *, positions=None, segment_ids=None, cache=None, remat_policy=None,
             attention_impl="xla", dtype=None, moe=MoEConfig()) -> (logits, new_cache)
 
 tokens [batch, seq] int; positions [batch, seq] (default: counting on from the cache's index,
-or from 0); logits [batch, seq, vocab] in float32. `dtype` overrides spec.compute_dtype.
+or from 0); segment_ids [batch, seq] int (training only, no cache): a packed row of several
+documents, each token's document id, with `positions` restarting at 0 in each document, so
+that attention stays inside a document and RoPE counts from its start; logits [batch, seq,
+vocab] in float32. `dtype` overrides spec.compute_dtype.
 Without a cache, new_cache is None; with one (see decode.init_cache) the step's keys and values
 are written at cache["index"] and the updated cache is returned, so prefill and decode are this
 same function. `remat_policy` (a jax.checkpoint policy, e.g. one built from CHECKPOINT_NAMES)
@@ -57,8 +60,9 @@ def output_head(spec: ModelSpec, params: dict, x: jax.Array) -> jax.Array:
 
 
 def run_segment(spec: ModelSpec, segment: Segment, params: list, x: jax.Array, positions: jax.Array, *,
-                cache: list | None = None, cache_index=None, cache_positions=None, remat_policy=None,
-                attention_impl: str = "xla", moe: MoEConfig = MoEConfig()) -> tuple[jax.Array, list | None, list]:
+                cache: list | None = None, cache_index=None, cache_positions=None, segment_ids=None,
+                remat_policy=None, attention_impl: str = "xla",
+                moe: MoEConfig = MoEConfig()) -> tuple[jax.Array, list | None, list]:
     """Scan the segment's period over its stacked layers; returns (x, the segment's new cache,
     its MoE statistics per period block)."""
 
@@ -69,7 +73,7 @@ def run_segment(spec: ModelSpec, segment: Segment, params: list, x: jax.Array, p
             x, c, s = block_layer_with_stats(spec.blocks[name], layer_params[p], x, positions,
                                              cache=None if layer_cache is None else layer_cache[p],
                                              cache_index=cache_index, cache_positions=cache_positions,
-                                             impl=attention_impl, moe=moe)
+                                             segment_ids=segment_ids, impl=attention_impl, moe=moe)
             new_cache.append(c)
             stats.append(s)
         return x, (new_cache if layer_cache is not None else None, stats)
@@ -92,13 +96,16 @@ def forward_with_aux(spec: ModelSpec, params: dict, tokens: jax.Array, **kwargs)
 
 @quantized_as_spec
 def decoder_hidden(spec: ModelSpec, params: dict, tokens: jax.Array, *, positions: jax.Array | None = None,
-                   cache: dict | None = None, remat_policy=None, attention_impl: str = "xla",
+                   segment_ids: jax.Array | None = None, cache: dict | None = None, remat_policy=None,
+                   attention_impl: str = "xla",
                    dtype=None, moe: MoEConfig = MoEConfig()) -> tuple[jax.Array, dict | None, list]:
     """`forward_with_aux` up to the last layer's output x [batch, seq, embed], before the final
     norm: (x, new_cache, moe_stats). DeepSeek V3's multi-token prediction starts from it."""
     dtype = jnp.dtype(dtype or spec.compute_dtype)
     batch, seq = tokens.shape
     start = 0 if cache is None else cache["index"]
+    if segment_ids is not None and cache is not None:
+        raise ValueError("segment ids are for packed training sequences; a KV cache holds one document per row")
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None, :] + start, (batch, seq))
     positions = positions.astype(jnp.int32)
@@ -111,7 +118,8 @@ def decoder_hidden(spec: ModelSpec, params: dict, tokens: jax.Array, *, position
         x, seg_cache, seg_stats = run_segment(spec, segment, params["segments"][s], x, positions,
                                               cache=None if cache is None else cache["segments"][s],
                                               cache_index=start, cache_positions=cache_positions,
-                                              remat_policy=remat_policy, attention_impl=attention_impl, moe=moe)
+                                              segment_ids=segment_ids, remat_policy=remat_policy,
+                                              attention_impl=attention_impl, moe=moe)
         new_segments.append(seg_cache)
         moe_stats.append(seg_stats)
     if cache is None:

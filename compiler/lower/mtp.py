@@ -13,6 +13,9 @@ transformers' MtpLayer/MtpModel and vLLM's DeepSeek MTP do it, the references th
 released MTP weights (whose eh_proj [d_model, 2·d_model] is `projection` cut in its two halves).
 A module's block sees positions shifted by k, like the tokens it embeds; rotary attention only
 sees position differences, so this changes nothing but keeps the positions the tokens' own.
+In a packed sequence (segment ids in the batch) a module's attention stays inside the document of
+position i, like the main model's, and a target in a later document than position i is masked:
+running each document alone has no such target.
 
 The loss of depth k is the cross entropy summed over the positions whose target exists (the last
 k of each row have none) and masked like the main targets; the depths are averaged and weighted by
@@ -60,19 +63,23 @@ def _ahead(x: jax.Array, k: int) -> jax.Array:
     return jnp.concatenate([x[:, k:], jnp.zeros((x.shape[0], k), x.dtype)], axis=1)
 
 
-def mtp_hidden(spec: ModelSpec, params: dict, hidden: jax.Array, inputs: jax.Array, *, remat_policy=None,
-               attention_impl: str = "xla", moe: MoEConfig = MoEConfig()) -> list[tuple[jax.Array, object]]:
+def mtp_hidden(spec: ModelSpec, params: dict, hidden: jax.Array, inputs: jax.Array, *, positions=None,
+               segment_ids=None, remat_policy=None, attention_impl: str = "xla",
+               moe: MoEConfig = MoEConfig()) -> list[tuple[jax.Array, object]]:
     """Each module's normalised output h⁽ᵏ⁾ [batch, seq, embed] (position i predicts token i + k + 1;
     the last k positions embed padding and predict nothing), with its block's MoEStats or None.
 
-    hidden [batch, seq, embed] is model.decoder_hidden's output for `inputs` [batch, seq]."""
+    hidden [batch, seq, embed] is model.decoder_hidden's output for `inputs` [batch, seq] at
+    `positions` with `segment_ids` (both [batch, seq] or None, as decoder_hidden took them)."""
     mtp = spec.mtp
     block = spec.blocks[mtp.block]
     norm = spec.final_norm
     rows, seq = inputs.shape
     if seq <= mtp.depth:
         raise ValueError(f"multi-token prediction of depth {mtp.depth} needs sequences longer than {mtp.depth}")
-    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None, :], (rows, seq))
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None, :], (rows, seq))
+    positions = positions.astype(jnp.int32)
 
     def module_step(module, h, tokens, positions):
         e = apply_norm(norm, module["embedding_norm"], embed(spec, params, tokens, hidden.dtype))
@@ -80,7 +87,8 @@ def mtp_hidden(spec: ModelSpec, params: dict, hidden: jax.Array, inputs: jax.Arr
         kernel = module["projection"]["kernel"].astype(hidden.dtype)
         x = jnp.einsum("bse,ef->bsf", e, kernel[0]) + jnp.einsum("bse,ef->bsf", h, kernel[1])
         x = constrain(x, ("batch", "seq", "embed"))
-        x, _, stats = block_layer_with_stats(block, module["block"], x, positions, impl=attention_impl, moe=moe)
+        x, _, stats = block_layer_with_stats(block, module["block"], x, positions, segment_ids=segment_ids,
+                                             impl=attention_impl, moe=moe)
         return apply_norm(norm, module["output_norm"], x), stats
 
     if remat_policy is not None:
@@ -101,11 +109,15 @@ def mtp_loss(spec: ModelSpec, params: dict, hidden: jax.Array, batch: dict, *, r
     hidden [batch, seq, embed] is model.decoder_hidden's output for batch["inputs"]; the batch is
     the train step's (inputs, targets, mask). The statistics come nested like one more segment of
     model.forward_with_aux's: [MoEStats stacked over depth], or [None] for a dense block."""
-    outputs = mtp_hidden(spec, params, hidden, batch["inputs"], remat_policy=remat_policy,
-                         attention_impl=attention_impl, moe=moe)
+    segment_ids = batch.get("segment_ids")
+    outputs = mtp_hidden(spec, params, hidden, batch["inputs"], positions=batch.get("positions"),
+                         segment_ids=segment_ids, remat_policy=remat_policy, attention_impl=attention_impl, moe=moe)
     total = jnp.zeros((), jnp.float32)
     for k, (h, _) in enumerate(outputs, start=1):
-        sums = loss_sums(output_head(spec, params, h), _ahead(batch["targets"], k), _ahead(batch["mask"], k))
+        mask = _ahead(batch["mask"], k)
+        if segment_ids is not None:  # the target at i + k must still be in position i's document
+            mask = mask * (_ahead(segment_ids, k) == segment_ids).astype(mask.dtype)
+        sums = loss_sums(output_head(spec, params, h), _ahead(batch["targets"], k), mask)
         total = total + sums.cross_entropy
     all_stats = [stats for _, stats in outputs]
     stacked = None if all_stats[0] is None else jax.tree.map(lambda *xs: jnp.stack(xs), *all_stats)

@@ -4,12 +4,20 @@ Splash attention (jax.experimental.pallas.ops.tpu.splash_attention) is a block-s
 attention: it walks the score matrix in [block_q, block_kv] tiles, skips tiles the mask empties,
 and keeps only running softmax statistics, so a sequence of 8192 never materialises its
 8192² scores. Its masks are static (numpy-computable), which fits training and prefill: queries
-and keys are the same positions 0..seq-1. Decoding against a KV cache takes the XLA path.
+and keys are the same tokens of one sequence. Decoding against a KV cache takes the XLA path.
+
+Packed sequences. The kernel's segment ids keep each document's queries on its own keys; its
+static masks go by index, which within one document differs from the restarted positions by a
+constant, so causality and the sliding window come out as the XLA path's. Chunks do not: they
+count from each document's start. With segment ids, the chunk therefore enters as part of the
+segment id (document and chunk of position // chunk) on a causal mask, which gives the XLA path's
+mask exactly but lets the kernel skip only the tiles causality empties.
 
 Mapping of mxc's attention options onto the kernel:
     causal                      CausalMask
     window (query's own counted) LocalMask(window_size=(window - 1, 0)), causal on the right
-    chunk (Llama 4)             ChunkedCausalMask
+    chunk (Llama 4)             ChunkedCausalMask; with segment ids, chunk ids inside them
+    segment ids                 the kernel's SegmentIds (queries and keys the same tokens)
     softcap (Gemma 2)           attn_logits_soft_cap, applied to the already scaled scores
     sinks (GPT-OSS)             the kernel's per-head sinks
     scale                       folded into q (the kernel does not scale)
@@ -82,37 +90,57 @@ def make_kernel(heads: int, q_len: int, kv_len: int, *, window: int | None = Non
                                   interpret=interpret)
 
 
-def _attend_local(q, k, v, sinks, *, scale, window, chunk, softcap, interpret):
-    """Unsharded: q [batch, seq, heads, head_dim], k/v [batch, seq, kv_heads, head_dim]."""
-    kernel = make_kernel(q.shape[2], q.shape[1], k.shape[1], window=window, chunk=chunk,
-                         softcap=softcap, interpret=interpret)
+def _attend_local(q, k, v, sinks, segments, *, scale, window, chunk, softcap, interpret):
+    """Unsharded: q [batch, seq, heads, head_dim], k/v [batch, seq, kv_heads, head_dim];
+    segments [batch, seq] or None (chunks, if any, already folded into them)."""
+    kernel = make_kernel(q.shape[2], q.shape[1], k.shape[1], window=window,
+                         chunk=chunk if segments is None else None, softcap=softcap, interpret=interpret)
     heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # the kernel wants [heads, seq, head_dim]
     q = heads_first(q * jnp.asarray(scale, q.dtype))
     k, v = heads_first(k), heads_first(v)
-    if sinks is None:
-        out = jax.vmap(lambda q1, k1, v1: kernel(q1, k1, v1))(q, k, v)
+
+    def one_row(q1, k1, v1, s1):
+        ids = None if s1 is None else splash.SegmentIds(q=s1, kv=s1)
+        return kernel(q1, k1, v1, segment_ids=ids, sinks=sinks)
+
+    if segments is None:
+        out = jax.vmap(lambda q1, k1, v1: one_row(q1, k1, v1, None))(q, k, v)
     else:
-        out = jax.vmap(lambda q1, k1, v1: kernel(q1, k1, v1, sinks=sinks))(q, k, v)
+        out = jax.vmap(one_row)(q, k, v, segments)
     return heads_first(out)
+
+
+def _kernel_segments(segment_ids, positions, chunk: int | None):
+    """The segment ids the kernel gets: the documents', with each document's chunk (counted from
+    its own start, as the XLA path's positions do) folded in when the layer is chunked."""
+    segment_ids = segment_ids.astype(jnp.int32)
+    if chunk is None:
+        return segment_ids
+    chunks_per_row = positions.shape[1] // chunk + 1  # positions stay below the row's length
+    return segment_ids * chunks_per_row + positions.astype(jnp.int32) // chunk
 
 
 def splash_attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions=None, kv_positions=None,
                   window: int | None = None, chunk: int | None = None, softcap: float | None = None,
-                  sinks: jax.Array | None = None, scale: float, interpret: bool = False) -> jax.Array:
+                  sinks: jax.Array | None = None, segment_ids: jax.Array | None = None, scale: float,
+                  interpret: bool = False) -> jax.Array:
     """Causal self-attention over a whole sequence with the splash kernel; the XLA `attend`'s
     signature, so the model picks either by name.
 
     q [batch, seq, heads, head_dim]; k, v [batch, seq, kv_heads, head_dim(v)]; sinks [heads] or
-    None. The positions are those of the sequence itself (0..seq-1) by this path's contract:
-    the masks are built for them statically, so `q_positions`/`kv_positions` are not read."""
-    del q_positions, kv_positions
+    None; segment_ids [batch, seq] or None. Without segment ids the positions are those of the
+    sequence itself (0..seq-1) by this path's contract, and are not read: the masks are built for
+    them statically. With segment ids, positions restart in each document, and are read only to
+    place a chunked layer's chunks."""
+    del kv_positions  # the same tokens as the queries': self-attention only
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"splash attention is for self-attention over one sequence; got {q.shape[1]} "
                          f"queries against {k.shape[1]} keys (decode with attention_impl='xla')")
+    segments = None if segment_ids is None else _kernel_segments(segment_ids, q_positions, chunk)
     options = dict(scale=scale, window=window, chunk=chunk, softcap=softcap, interpret=interpret)
     active = active_rules()
     if active is None:
-        return _attend_local(q, k, v, sinks, **options)
+        return _attend_local(q, k, v, sinks, segments, **options)
 
     mesh, rules = active
     q_spec = partition_spec(("batch", None, "heads", None), rules, mesh)
@@ -126,12 +154,17 @@ def splash_attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions=None,
         group = q.shape[2] // k.shape[2]
         k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     spec = PartitionSpec(batch_axes, None, head_axes, None)
-    local = lambda q1, k1, v1, s1: _attend_local(q1, k1, v1, s1, **options)
-    if sinks is None:
-        return jax.shard_map(lambda q1, k1, v1: local(q1, k1, v1, None), mesh=mesh,
-                             in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, PartitionSpec(head_axes)),
-                         out_specs=spec, check_vma=False)(q, k, v, sinks)
+    # shard_map takes arrays only: the optional sinks and segments join the arguments when present.
+    extras = {name: (value, value_spec) for name, value, value_spec in (
+        ("sinks", sinks, PartitionSpec(head_axes)), ("segments", segments, PartitionSpec(batch_axes, None)))
+        if value is not None}
+
+    def local(q1, k1, v1, *given):
+        named = dict(zip(extras, given))
+        return _attend_local(q1, k1, v1, named.get("sinks"), named.get("segments"), **options)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, *(s for _, s in extras.values())),
+                         out_specs=spec, check_vma=False)(q, k, v, *(a for a, _ in extras.values()))
 
 
 def _dividing(mesh_axes, size: int, mesh):
