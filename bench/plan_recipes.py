@@ -1,22 +1,25 @@
-"""MaxText's recipe settings against mxc's automatic plan, side by side.
+"""MaxText's published results against mxc: each recipe's own setting compiled through
+`--maxtext`, and mxc's automatic plan, both estimated by the calibrated step-time model.
 
-For each seeded MaxText recipe (model, topology, sequence length, global batch), this compiles
-mxc's train step twice for the real topology on this host (libtpu's topology description, no
-TPU needed): once with the recipe's own mesh, remat policy and batch, once with the plan `mxc
-plan` chooses. It prints XLA's per-device memory, the planner's prediction and the estimated
-step time and MFU of each.
+For every row of tests/data/published_mfu.json (MaxText's published pre-training throughput with
+its tuning parameters), this compiles the train step for the real topology on this host
+(libtpu's topology description, no TPU needed):
 
-    .venv/bin/python bench/plan_recipes.py [--only llama3.1-8b] [--no-auto] [--json results.jsonl]
+  1. MaxText's setting, exactly as `mxc plan MODEL --topology T --seq S --maxtext KEY=VALUE ...`
+     does: whether XLA fits it, XLA's peak, the estimated MFU and tokens/s/device from the
+     compiled program, next to the published ones;
+  2. mxc's automatic plan, with its estimate from its compiled program.
 
-Each compile of a full-size model for 128-512 chips takes minutes of CPU here; the whole run
-takes an hour or more. Run it in the background:
+The compiled programs' cost terms (kernels, collectives, host copies) are saved (--terms) so the
+constants can be fitted again without compiling (--fit): the fit and each row's leave-one-out
+error are printed.
 
-    ALLOW_MULTIPLE_LIBTPU_LOAD=1 nohup .venv/bin/python bench/plan_recipes.py --json bench.jsonl > bench.log 2>&1 &
+    ALLOW_MULTIPLE_LIBTPU_LOAD=1 nohup .venv/bin/python bench/plan_recipes.py \
+        --terms tests/data/calibration_terms.json --json bench.jsonl > bench.log 2>&1 &
+    .venv/bin/python bench/plan_recipes.py --fit          # refit from the saved terms only
 
-Recipe settings are MaxText's (AI-Hypercomputer/maxtext): per_device_batch_size x devices is the
-global batch; `ici_fsdp_parallelism: -1` is every device of the slice on fsdp. MaxText's remat
-policies are mapped to mxc's nearest one (the mapping is printed): mxc names the same
-projections but keeps a layer's input on device, where MaxText's "custom" recipes offload it.
+Each compile of a full-size model for 256-512 chips takes 0.5-2 minutes of CPU and several GiB
+here; the rows run one at a time.
 """
 
 from __future__ import annotations
@@ -25,106 +28,104 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass
+from pathlib import Path
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 GIB = 2**30
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TERMS = ROOT / "tests" / "data" / "calibration_terms.json"
 
 
-@dataclass(frozen=True)
-class Recipe:
-    model: str
-    topology: str
-    slices: int
-    seq: int
-    batch: int  # per_device_batch_size x devices
-    mesh: dict  # mxc mesh axis -> size (all slices together)
-    maxtext_remat: str
-    remat: str  # mxc's nearest policy
-    source: str
-
-
-RECIPES = [
-    Recipe("llama2-70b", "v5p-512", 1, 4096, 4 * 256, {"fsdp": 256},
-           "save_dot_except_mlpwi", "save_attention",
-           "MaxText/configs/v5p/llama2_70b.sh: per_device_batch_size=4, remat save_dot_except_mlpwi"),
-    Recipe("llama3.1-8b", "v6e-256", 1, 8192, 4 * 256, {"fsdp": 256},
-           "custom: offload decoder_layer_input, query/key/value/out_proj", "save_qkv_offloaded",
-           "benchmarks/maxtext_trillium_model_configs.py llama3_1_8b_8192: per_device_batch_size=4"),
-    Recipe("llama3.1-70b", "v6e-256", 1, 8192, 5 * 256, {"fsdp": 256},
-           "custom: offload decoder_layer_input, query/key/value_proj", "save_qkv_offloaded",
-           "benchmarks/maxtext_trillium_model_configs.py llama3_1_70b_8192: per_device_batch_size=5"),
-    Recipe("mixtral-8x7b", "v5p-256", 1, 4096, 8 * 128, {"fsdp": 128},
-           "full", "full",
-           "benchmarks/maxtext_v5p_model_configs.py mixtral_8x7b_dropped: per_device_batch_size=8"),
-    Recipe("llama3.1-405b", "v6e-256", 2, 8192, 1 * 512, {"fsdp": 128, "tensor": 4},
-           "custom: offload decoder_layer_input, query/key/value/out_proj", "save_qkv_offloaded",
-           "benchmarks/maxtext_trillium_model_configs.py llama3_1_405b_8192_fsdp_dcn: "
-           "per_device_batch_size=1, ici fsdp 64 x tensor 4, dcn fsdp 2"),
-]
-
-
-def _row(label: str, plan) -> dict:
+def _estimate_row(label: str, plan) -> dict:
     xla = plan.xla.memory
     return {
-        "setting": label, "model": plan.model, "topology": plan.topology, "slices": plan.slices,
-        "mesh": plan.mesh_text(), "remat": plan.remat, "microbatches": plan.microbatches,
+        "setting": label, "mesh": plan.mesh_text(), "remat": plan.remat, "microbatches": plan.microbatches,
         "xla_status": plan.xla.status, "xla_reason": plan.xla.reason,
         "xla_gib": None if xla is None else round(xla.total / GIB, 2),
         "predicted_gib": round(plan.predicted.total / GIB, 2),
-        "ratio": None if xla is None else round(plan.predicted.total / xla.total, 3),
-        "step_s": round(plan.time.step_s, 3), "mfu": round(plan.time.mfu, 3),
-        "compile_s": plan.xla.compile_seconds,
+        "step_s": round(plan.time.step_s, 3), "mfu": round(plan.time.mfu, 4),
+        "tokens_per_s_per_device": round(plan.time.tokens_per_s_per_device, 1),
+        "estimate_from": plan.time.source, "compile_s": plan.xla.compile_seconds,
     }
 
 
-def _print(row: dict) -> None:
-    xla = "-" if row["xla_gib"] is None else f"{row['xla_gib']:.1f}"
-    ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
-    print(f"  {row['setting']:<8} {row['mesh']:<34} {row['remat']:<20} mb {row['microbatches']:<3} "
-          f"XLA {xla:>6} GiB  predicted {row['predicted_gib']:>6.1f} GiB (x{ratio})  "
-          f"step {row['step_s']:.2f} s  MFU {row['mfu']:.1%}  [{row['xla_status']}"
-          + (f": {row['xla_reason']}" if row["xla_status"] not in ("fits",) and row["xla_reason"] else "") + "]",
-          flush=True)
+def _print(row: dict, published: dict | None = None) -> None:
+    xla = "-" if row["xla_gib"] is None else f"{row['xla_gib']:.1f} GiB"
+    against = ""
+    if published:
+        against = (f" (published {published['published_mfu']:.1%}, "
+                   f"{published['published_tokens_per_s_per_device']} tokens/s/device; "
+                   f"{row['mfu'] / published['published_mfu'] - 1:+.1%})")
+    reason = f": {row['xla_reason']}" if row["xla_status"] != "fits" and row["xla_reason"] else ""
+    print(f"  {row['setting']:<8} {row['mesh']}; {row['remat']}; {row['microbatches']} mb\n"
+          f"           XLA {row['xla_status']}{reason}, peak {xla}, predicted {row['predicted_gib']:.1f} GiB\n"
+          f"           estimate ({row['estimate_from']}): step {row['step_s']:.2f} s, MFU {row['mfu']:.1%}, "
+          f"{row['tokens_per_s_per_device']:.0f} tokens/s/device{against}", flush=True)
+
+
+def compile_rows(args) -> int:
+    from mxc.compiler.plan import plan
+    from mxc.compiler.plan.calibration import published_rows
+    from mxc.compiler.plan.maxtext import plan_setting
+    from mxc.compiler.topology import parse
+    from mxc.spec.load import load_model
+
+    saved = json.loads(Path(args.terms).read_text()) if args.terms and Path(args.terms).exists() else {}
+    for row in published_rows():
+        if args.only and args.only not in (row["model"], row["name"]):
+            continue
+        spec = load_model(row["model"])
+        topology = parse(row["topology"], row["slices"])
+        print(f"\n{row['name']}: {row['model']} on {row['topology']}"
+              + (f" x {row['slices']} slices" if row["slices"] > 1 else "")
+              + f", seq {row['seq']}, batch {row['global_batch']} ({row['maxtext_config']})", flush=True)
+        terms: list = []
+        fixed = plan_setting(spec, topology, row["tuning_params"], seq=row["seq"], terms=terms)
+        print("  " + "\n  ".join(r for r in fixed.reasons if r.startswith("maxtext: ")), flush=True)
+        results = [_estimate_row("MaxText", fixed)]
+        _print(results[-1], row)
+        if terms and args.terms:
+            saved[row["name"]] = {"status": fixed.xla.status, "terms": terms[0].to_json()}
+            Path(args.terms).write_text(json.dumps(saved, indent=1) + "\n")
+        if not args.no_auto:
+            automatic = plan(spec, topology, seq=row["seq"], batch=row["global_batch"], attempts=2,
+                             progress=lambda message: print(f"    mxc plan: {message}", flush=True))
+            results.append(_estimate_row("mxc", automatic))
+            _print(results[-1], row)
+        if args.json:
+            with open(args.json, "a") as out:
+                for result in results:
+                    out.write(json.dumps({"row": row["name"], **result}) + "\n")
+    return 0
+
+
+def fit_rows(args) -> int:
+    from mxc.compiler.plan.calibration import FITTED, calibration_rows, leave_one_out
+
+    rows, skipped = calibration_rows(Path(args.terms))
+    for name, why in skipped:
+        print(f"not fitted on {name}: {why}")
+    constants, table = leave_one_out(rows)
+    print(f"constants fitted on {len(rows)} rows: {constants}")
+    print(f"constants in mxc.compiler.plan.calibration: {FITTED}")
+    print(f"{'row':<32}{'published':>10}{'in-sample':>11}{'error':>8}{'left out':>10}{'error':>8}")
+    for v in table:
+        print(f"{v.name:<32}{v.published_mfu:>10.1%}{v.in_sample_mfu:>11.1%}{v.in_sample_error:>+8.1%}"
+              f"{v.left_out_mfu:>10.1%}{v.left_out_error:>+8.1%}")
+    return 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", help="run the recipes of this model only")
-    parser.add_argument("--no-auto", action="store_true", help="compile the recipe settings only")
+    parser.add_argument("--only", help="run the rows of this model (or row name) only")
+    parser.add_argument("--no-auto", action="store_true", help="compile MaxText's settings only")
     parser.add_argument("--json", metavar="FILE", help="append one JSON line per compile")
+    parser.add_argument("--terms", default=str(DEFAULT_TERMS), metavar="FILE",
+                        help="where the compiled programs' cost terms are kept (default: %(default)s)")
+    parser.add_argument("--fit", action="store_true", help="fit the constants on the saved terms; compile nothing")
     args = parser.parse_args()
-
-    from mxc.compiler.plan import plan
-    from mxc.compiler.plan.search import evaluate
-    from mxc.compiler.plan.verify import verify
-    from mxc.compiler.topology import parse
-    from mxc.spec.load import load_model
-
-    for recipe in RECIPES:
-        if args.only and recipe.model != args.only:
-            continue
-        spec = load_model(recipe.model)
-        topology = parse(recipe.topology, recipe.slices)
-        slices = f" x {recipe.slices} slices" if recipe.slices > 1 else ""
-        print(f"\n{recipe.model} on {recipe.topology}{slices}, seq {recipe.seq}, batch {recipe.batch}\n"
-              f"  recipe: {recipe.source}\n"
-              f"  MaxText remat {recipe.maxtext_remat!r} compiled as mxc's {recipe.remat!r}", flush=True)
-        fixed = evaluate(spec, topology, seq=recipe.seq, batch=recipe.batch, mesh=recipe.mesh, remat=recipe.remat)
-        fixed = fixed.model_copy(update={"xla": verify(spec, fixed, topology)})
-        rows = [_row("MaxText", fixed)]
-        _print(rows[-1])
-        if not args.no_auto:
-            automatic = plan(spec, topology, seq=recipe.seq, batch=recipe.batch, attempts=2,
-                             progress=lambda message: print(f"    mxc plan: {message}", flush=True))
-            rows.append(_row("mxc", automatic))
-            _print(rows[-1])
-        if args.json:
-            with open(args.json, "a") as out:
-                for row in rows:
-                    out.write(json.dumps(row) + "\n")
-    return 0
+    return fit_rows(args) if args.fit else compile_rows(args)
 
 
 if __name__ == "__main__":

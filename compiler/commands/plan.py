@@ -31,6 +31,11 @@ def register(subparsers) -> None:
     parser.add_argument("--explain", action="store_true",
                         help="also print why each choice was made and the candidates that lost")
     parser.add_argument("-o", "--output", metavar="PLAN.json", help="save the plan as JSON (for mxc compile --plan)")
+    parser.add_argument("--maxtext", action="append", default=[], metavar="KEY=VALUE",
+                        help="compile and estimate MaxText's setting as MaxText writes it instead of searching "
+                             "(per_device_batch_size, ici_*/dcn_*_parallelism, remat_policy and the custom "
+                             "remat names, capacity_factor, megablox, sparse_matmul, "
+                             "gradient_accumulation_steps, max_target_length, ...); repeatable")
     parser.set_defaults(func=handler, compiles=True)
 
 
@@ -108,6 +113,27 @@ def parse_pins(pins: list[str]) -> dict[str, int]:
     return out
 
 
+def _maxtext_plan(args, spec, topology, pins, say):
+    """The plan for exactly the --maxtext setting: no search."""
+    from mxc.compiler.plan.maxtext import MaxTextError, parse_pairs, plan_setting
+
+    fixed = [flag for flag, value in (("--pin", pins), ("--remat", args.remat),
+                                      ("--microbatches", args.microbatches)) if value]
+    if fixed:
+        raise UserError(f"--maxtext fixes the whole setting; {', '.join(fixed)} cannot be combined with it "
+                        "(write MaxText's key instead, e.g. --maxtext ici_tensor_parallelism=4)")
+    for flag, value in (("--seq", args.seq), ("--batch", args.batch)):
+        if value is not None and value <= 0:
+            raise UserError(f"{flag} must be a positive number, not {value}")
+    try:
+        params = parse_pairs(args.maxtext)
+        if not args.no_verify:
+            say("compiling the train step for MaxText's setting ...")
+        return plan_setting(spec, topology, params, seq=args.seq, batch=args.batch, verify=not args.no_verify)
+    except MaxTextError as err:
+        raise UserError(str(err)) from None
+
+
 def handler(args: argparse.Namespace) -> int:
     from mxc.compiler.commands.refs import load_one
     from mxc.compiler.plan import PlanError, plan
@@ -123,14 +149,17 @@ def handler(args: argparse.Namespace) -> int:
     except TopologyError as err:
         raise UserError(str(err)) from None
     spec = load_one(args.model, args.overrides)
-    seq, batch = planning_shapes(args, spec, topology)
     say = (lambda message: print(f"mxc plan: {message}", file=sys.stderr, flush=True))
-    try:
-        result = plan(spec, topology, seq=seq, batch=batch, pins=pins, remat=args.remat,
-                      microbatches=args.microbatches, verify=not args.no_verify, attempts=args.attempts,
-                      progress=say)
-    except PlanError as err:
-        raise UserError(str(err)) from None
+    if args.maxtext:
+        result = _maxtext_plan(args, spec, topology, pins, say)
+    else:
+        seq, batch = planning_shapes(args, spec, topology)
+        try:
+            result = plan(spec, topology, seq=seq, batch=batch, pins=pins, remat=args.remat,
+                          microbatches=args.microbatches, verify=not args.no_verify, attempts=args.attempts,
+                          progress=say)
+        except PlanError as err:
+            raise UserError(str(err)) from None
     if args.output:
         result.save(args.output)
     if args.json:
@@ -138,6 +167,10 @@ def handler(args: argparse.Namespace) -> int:
     else:
         from mxc.compiler.plan.report import plan_text
 
+        if args.maxtext:
+            print("MaxText's setting, as compiled by mxc:")
+            print("\n".join(f"  {reason.removeprefix('maxtext: ')}" for reason in result.reasons
+                            if reason.startswith("maxtext: ")) + "\n")
         print(plan_text(result, explain=args.explain))
     if not result.fits:
         print(f"mxc plan: {spec.name} does not fit on {topology.name}"

@@ -23,6 +23,7 @@ An axis inside a slice gets the share of the chip's ICI links that its size span
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 
 from mxc.compiler.analysis import attention_flops_per_token, summarize
 from mxc.compiler.kinds import kind_of
@@ -203,14 +204,19 @@ def host_seconds(choice: Choice) -> float:
     return 2 * host * choice.microbatches / HOST_BANDWIDTH
 
 
-def step_time(choice: Choice) -> StepTime:
+def step_time(choice: Choice, constants=None) -> StepTime:
+    """The formula estimate: the search's fast pre-filter, under the same calibrated constants as
+    the compiled program's estimate (mxc.compiler.plan.calibration)."""
+    from mxc.compiler.plan.calibration import FITTED
+
+    c = constants or FITTED
     chip = choice.topology.chip
     chips = choice.topology.chips
     tokens = choice.batch * choice.seq
     model_per_token, executed_per_token = executed_flops_per_token(choice)
-    compute = executed_per_token * tokens / chips / chip.peak_bf16_flops
-    memory = hbm_traffic(choice) / chip.hbm_bandwidth
-    comm = communication(choice)
+    compute = executed_per_token * tokens / chips / (chip.peak_bf16_flops * c.matmul)
+    memory = hbm_traffic(choice) / (chip.hbm_bandwidth * c.hbm)
+    comm = {k: v / c.link for k, v in communication(choice).items()}
     offload = host_seconds(choice)
     if offload:
         comm["host offload"] = offload
@@ -219,10 +225,133 @@ def step_time(choice: Choice) -> StepTime:
     overlapped = sum(v for k, v in comm.items() if k.startswith(("fsdp", "data", "host")))
     critical = sum(comm.values()) - overlapped
     busy = compute + memory
-    exposed = critical + max(0.0, overlapped - busy)
+    exposed = critical + max(0.0, overlapped - c.overlap * busy)
     step = busy + exposed
     return StepTime(
         compute_s=compute, memory_s=memory, communication_s=sum(comm.values()),
         exposed_communication_s=exposed, step_s=step, tokens_per_s=tokens / step,
+        tokens_per_s_per_device=tokens / chips / step,
         mfu=model_per_token * tokens / (step * chips * chip.peak_bf16_flops),
-        communication={k: round(v, 6) for k, v in comm.items()})
+        bubble_fraction=0.0, communication={k: round(v, 6) for k, v in comm.items()})
+
+
+# ---------------------------------------------------------------- from the compiled program
+
+def device_places(devices) -> list[tuple[int, tuple[int, ...]]]:
+    """(slice, physical coordinates) of each position of a program's device assignment."""
+    return [(getattr(d, "slice_index", 0) or 0, tuple(getattr(d, "coords", None) or (i,)))
+            for i, d in enumerate(devices)]
+
+
+def collective_seconds(collective, places, chip) -> float:
+    """One run of a collective at the links' full bandwidth, by the algorithm XLA uses on a torus:
+    rings over each physical dimension the group spans, both directions (an all-gather or
+    reduce-scatter moves (m-1)/m of the buffer through them, an all-reduce twice that), then
+    the part across slices over DCN; a collective-permute sends its buffer over one link."""
+    group = collective.groups[0] if collective.groups else ()
+    if len(group) < 2:
+        return 0.0
+    where = [places[i] for i in group if i < len(places)]
+    slices = {s for s, _ in where}
+    inside = len(where) // max(1, len(slices))
+    one_way_link = chip.ici_bandwidth / max(1, chip.ici_links) / 2
+    if collective.kind == "collective-permute":
+        crosses = any(places[a][0] != places[b][0] for a, b in collective.groups if max(a, b) < len(places))
+        return collective.bytes / (chip.dcn_bandwidth if crosses else one_way_link)
+    first_slice = [c for s, c in where if s == where[0][0]]
+    spanned = sum(1 for axis in zip(*first_slice) if len(set(axis)) > 1) if len(first_slice) > 1 else 0
+    ring = 2 * one_way_link * max(1, spanned)
+    seconds = (inside - 1) / inside * collective.bytes / ring if inside > 1 else 0.0
+    if len(slices) > 1:
+        seconds += (len(slices) - 1) * collective.bytes / len(where) / chip.dcn_bandwidth
+    return seconds * (2 if collective.kind == "all-reduce" else 1)
+
+
+@dataclass(frozen=True)
+class ProgramTerms:
+    """What the compiled program costs at the datasheet figures, before any constant: the fitted
+    constants (mxc.compiler.plan.calibration) turn these into a step time."""
+
+    ops: tuple[tuple[float, float, int], ...]  # (FLOPs, HBM bytes, runs) per kernel
+    exposed_collectives_s: float  # synchronous collectives at full link bandwidth
+    async_collectives_s: float  # asynchronous ones (FSDP gathers, prefetches)
+    host_s: float  # host-offload copies at the host link's bandwidth
+    by_kind: dict[str, float]  # collective seconds by kind
+    peak_flops: float
+    hbm_bandwidth: float
+    model_flops: float  # per device and step, MaxText's count
+    tokens: float  # per device and step
+    devices: int
+    stages: int = 1
+    microbatches: int = 1
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["ops"] = [list(op) for op in self.ops]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ProgramTerms":
+        return cls(**{**data, "ops": tuple(tuple(op) for op in data["ops"])})
+
+
+def program_terms(program, places, chip, model_flops: float, tokens: float, extra_flops: float = 0.0,
+                  microbatches: int = 1, stages: int = 1) -> ProgramTerms:
+    """The compiled program's kernels, collectives and host copies, sized for `chip`.
+    `extra_flops` are FLOPs the HLO cannot show (Pallas kernels such as splash attention),
+    charged as one compute-bound kernel."""
+    exposed = hidden = 0.0
+    by_kind: dict[str, float] = {}
+    for collective in program.collectives:
+        seconds = collective.count * collective_seconds(collective, places, chip)
+        by_kind[collective.kind] = by_kind.get(collective.kind, 0.0) + seconds
+        if collective.asynchronous:
+            hidden += seconds
+        else:
+            exposed += seconds
+    merged: dict[tuple[float, float], int] = {}
+    for flops, moved, count in program.ops:
+        merged[(flops, moved)] = merged.get((flops, moved), 0) + count
+    if extra_flops:
+        merged[(extra_flops, 0.0)] = merged.get((extra_flops, 0.0), 0) + 1
+    return ProgramTerms(tuple((f, b, n) for (f, b), n in sorted(merged.items())), exposed, hidden,
+                        program.host_bytes / HOST_BANDWIDTH, by_kind, chip.peak_bf16_flops,
+                        chip.hbm_bandwidth, model_flops, tokens, len(places), stages, microbatches)
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """The share of a pipelined step spent idle: (stages - 1) of (microbatches + stages - 1)."""
+    return (stages - 1) / (microbatches + stages - 1) if stages > 1 else 0.0
+
+
+def program_step_time(terms: ProgramTerms, constants=None) -> StepTime:
+    """The step time of a compiled program under the calibrated constants."""
+    from mxc.compiler.plan.calibration import FITTED
+
+    c = constants or FITTED
+    flops_per_s, bytes_per_s = terms.peak_flops * c.matmul, terms.hbm_bandwidth * c.hbm
+    compute = memory = 0.0
+    for flops, moved, count in terms.ops:
+        f, m = flops / flops_per_s, moved / bytes_per_s
+        if f >= m:
+            compute += count * f
+        else:
+            memory += count * m
+    busy = compute + memory
+    exposed = terms.exposed_collectives_s / c.link
+    overlappable = terms.async_collectives_s / c.link + terms.host_s
+    exposed += max(0.0, overlappable - c.overlap * busy)
+    bubble = bubble_fraction(terms.stages, terms.microbatches)
+    step = (busy + exposed) / (1 - bubble)
+    communication = {k: round(v / c.link, 6) for k, v in terms.by_kind.items()}
+    if terms.host_s:
+        communication["host offload"] = round(terms.host_s, 6)
+    return StepTime(
+        compute_s=compute, memory_s=memory, communication_s=sum(communication.values()),
+        exposed_communication_s=exposed, step_s=step, tokens_per_s=terms.tokens * terms.devices / step,
+        tokens_per_s_per_device=terms.tokens / step, mfu=terms.model_flops / (step * terms.peak_flops),
+        bubble_fraction=bubble, communication=communication, source="compiled program")
+
+
+def program_mfu(terms: ProgramTerms, constants) -> float:
+    return program_step_time(terms, constants).mfu

@@ -22,6 +22,8 @@ from mxc.spec.ir import LOGICAL_AXES
 # The mesh axes a plan sizes, in the order the device mesh is laid out: the last axis gets the
 # closest physical neighbours, so the chattiest parallelism (tensor) goes last.
 MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
+# Pipeline stages: a plan's mesh records the axis (1: no pipeline; stages are not planned yet).
+STAGE_AXIS = "stage"
 FORMAT_VERSION = 1
 
 GIB = 2**30
@@ -80,6 +82,8 @@ class Verification(_Value):
     reason: str = ""
     memory: XlaMemory | None = None
     compile_seconds: float | None = None
+    # The step time estimated from the compiled program; the Plan's `time` shows it.
+    time: "StepTime | None" = Field(default=None, exclude=True)
 
     @property
     def out_of_memory(self) -> bool:
@@ -89,14 +93,21 @@ class Verification(_Value):
 class StepTime(_Value):
     """Estimated time of one train step on one device, and what it buys."""
 
-    compute_s: float  # executed matmul FLOPs (recomputation included) at peak
-    memory_s: float  # HBM traffic at the chip's bandwidth
+    compute_s: float  # compute-bound work (recomputation included) at the achieved matmul rate
+    memory_s: float  # memory-bound work at the achieved HBM bandwidth
     communication_s: float  # all collectives, were none overlapped
     exposed_communication_s: float  # what is left after overlapping with compute
     step_s: float
     tokens_per_s: float  # the whole topology
     mfu: float  # model FLOPs (MaxText's accounting, no recomputation) / (step time x peak)
+    tokens_per_s_per_device: float = 0.0
+    bubble_fraction: float = 0.0  # the pipeline's idle share of the step (0 without stages)
     communication: dict[str, float] = {}  # seconds by collective kind
+    # "compiled program": read off the HLO XLA compiled; "formula": the search's analytic pre-filter
+    source: Literal["formula", "compiled program"] = "formula"
+
+
+Verification.model_rebuild()
 
 
 class Candidate(_Value):
@@ -123,6 +134,7 @@ class Lowering(_Value):
 
     stacked_projections: bool
     interpret_kernels: bool
+    quantization: str = "fp32"  # compiler/lower/choices.py's; fp32 in plans saved before it was kept
 
 
 class Plan(_Value):
@@ -136,7 +148,7 @@ class Plan(_Value):
     hbm_bytes: int
     seq: int
     batch: int  # global, in sequences
-    mesh: dict[str, int]  # every axis of MESH_AXES, its whole size
+    mesh: dict[str, int]  # every axis of MESH_AXES, its whole size, and the stage axis (1)
     dcn: dict[str, int] = {}  # the factor of an axis that spans slices (product: slices)
     rules: dict[str, list[str]]  # logical axis -> mesh axes
     remat: str
@@ -157,9 +169,20 @@ class Plan(_Value):
     advice: list[str] = []  # for a plan that does not fit: what would make it fit
     candidates: list[Candidate] = Field(default_factory=list)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _stage_axis(cls, data):
+        """Plans saved before the stage axis was recorded had none: one stage."""
+        if isinstance(data, dict) and isinstance(data.get("mesh"), dict) and STAGE_AXIS not in data["mesh"]:
+            data = {**data, "mesh": {**data["mesh"], STAGE_AXIS: 1}}
+        return data
+
     @model_validator(mode="after")
     def _consistent(self):
-        unknown = sorted(set(self.mesh) - set(MESH_AXES))
+        if self.mesh.get(STAGE_AXIS, 1) != 1:
+            raise ValueError(f"mesh {STAGE_AXIS} {self.mesh[STAGE_AXIS]}: pipeline stages are not planned; "
+                             f"a plan has one stage")
+        unknown = sorted(set(self.mesh) - set(MESH_AXES) - {STAGE_AXIS})
         if unknown:
             raise ValueError(f"unknown mesh axes {unknown}; a plan sizes {', '.join(MESH_AXES)}")
         if math.prod(self.mesh.values()) != self.chips:
@@ -208,7 +231,7 @@ class Plan(_Value):
 
         if self.lowering is None:
             return LoweringChoices.for_platform(CHIPS[self.chip].platform)
-        return LoweringChoices(**self.lowering.model_dump())
+        return LoweringChoices.for_platform(CHIPS[self.chip].platform).with_recorded(self.lowering.model_dump())
 
     def rules_tuples(self) -> dict[str, tuple[str, ...]]:
         """The rules in the form mxc.compiler.lower.sharding takes."""

@@ -57,8 +57,33 @@ def _first_line(err: Exception) -> str:
     return f"XLA: {line[:300]}"
 
 
-def verify(spec: ModelSpec, plan: Plan, topology: Topology, found: list | None = None) -> Verification:
-    """Compile the plan's train step for the topology; 'fits' when XLA's peak is within HBM."""
+def program_estimate(spec: ModelSpec, plan: Plan, topology: Topology, compiled, mesh):
+    """(step time, the program's cost terms) of a compiled train step: its HLO read by
+    mxc.compiler.plan.hlo_cost, sized for the topology's chip (mxc.compiler.plan.cost)."""
+    from mxc.compiler.analysis import attention_flops_per_token, summarize
+    from mxc.compiler.plan.cost import device_places, program_step_time, program_terms
+    from mxc.compiler.plan.hlo_cost import program_cost
+
+    devices = list(mesh.devices.flat)
+    program = program_cost(compiled.as_text(), len(devices))
+    tokens = plan.batch * plan.seq / len(devices)
+    model_flops = summarize(spec, plan.seq).train_flops_per_token * tokens
+    # A Pallas attention kernel is opaque to the HLO: its FLOPs as the kernel runs them, the
+    # backward recomputing the scores (7 matmul passes where the model count has 6).
+    hidden = 0.0
+    if plan.attention.startswith("splash"):
+        per_token = sum(attention_flops_per_token(spec.blocks[kind].attention, plan.seq) for kind in spec.layer_kinds)
+        hidden = per_token * tokens * 7 / 6
+    terms = program_terms(program, device_places(devices), topology.chip, model_flops, tokens,
+                          extra_flops=hidden, microbatches=plan.microbatches)
+    return program_step_time(terms), terms
+
+
+def verify(spec: ModelSpec, plan: Plan, topology: Topology, found: list | None = None,
+           terms: list | None = None) -> Verification:
+    """Compile the plan's train step for the topology; 'fits' when XLA's peak is within HBM. The
+    verdict carries the step time estimated from the compiled program; `terms` (a list) receives
+    the program's cost terms."""
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         found = devices(topology) if found is None else found
@@ -78,6 +103,9 @@ def verify(spec: ModelSpec, plan: Plan, topology: Topology, found: list | None =
     if stats is None:
         return Verification(status="unavailable", reason="XLA gives no memory analysis for this platform",
                             compile_seconds=seconds)
+    estimate, program = program_estimate(spec, plan, topology, compiled, mesh)
+    if terms is not None:
+        terms.append(program)
     state = _shard_bytes(abstract_state, shardings)
     parameters = _shard_bytes(abstract_state.params, shardings.params)
     memory = XlaMemory(
@@ -89,7 +117,7 @@ def verify(spec: ModelSpec, plan: Plan, topology: Topology, found: list | None =
         host_temporaries=stats.host_temp_size_in_bytes,
         peak=getattr(stats, "peak_memory_in_bytes", 0) or 0)
     if memory.total > plan.hbm_bytes:
-        return Verification(status="over_hbm", memory=memory, compile_seconds=seconds,
+        return Verification(status="over_hbm", memory=memory, compile_seconds=seconds, time=estimate,
                             reason=f"{OUT_OF_HBM}, its peak {size_bytes(memory.total)} exceeds "
                                    f"{size_bytes(plan.hbm_bytes)}")
-    return Verification(status="fits", memory=memory, compile_seconds=seconds)
+    return Verification(status="fits", memory=memory, compile_seconds=seconds, time=estimate)

@@ -1,0 +1,417 @@
+"""What one compiled program does, read from its optimized HLO text: FLOPs and HBM bytes per
+top-level op, every collective with its replica groups and bytes, host-offload copies, each
+counted as often as it runs.
+
+XLA's own `cost_analysis()` counts a while loop's body once (a scanned layer stack, a microbatch
+loop), so its totals are one iteration short of the program; this module walks the call graph
+and multiplies each computation by how often it runs: a while body by its trip count (read off
+the loop condition's `compare(i, N)`, less the counter's start value), a fusion or call by its
+caller's count.
+
+    ops          per top-level instruction of a scheduled computation (entry, loop bodies, calls):
+                 its FLOPs (every dot and convolution inside, fusions included) and the bytes of
+                 its operands and result, the HBM traffic of that kernel
+    collectives  all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute (their
+                 -start forms too; -done carries no data): the full buffer's bytes, the replica
+                 groups (device positions in the program's device assignment) and whether XLA
+                 issued it asynchronously (an async start, or inside an async collective fusion)
+    host         bytes copied between HBM and host memory (memory space 5), both directions
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+# Bytes per element of HLO's primitive types.
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4,
+                "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16,
+                "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
+                "token": 0}
+HOST_MEMORY_SPACE = 5  # XLA's memory space for pinned host memory in a layout: `S(5)`
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute",
+               "ragged-all-to-all")
+# Ops that move no data of their own (views, bookkeeping, control flow whose bodies are counted).
+_FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call", "conditional",
+         "after-all", "partition-id", "replica-id", "iota", "opt-barrier", "add-dependency", "domain",
+         "copy-done", "recv-done", "send-done"} | {f"{c}-done" for c in COLLECTIVES}
+
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->\s*(.*)\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_CALLEES = re.compile(r"\b(calls|to_apply|body|condition)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+@dataclass(frozen=True)
+class Shape:
+    dtype: str
+    dims: tuple[int, ...]
+    memory_space: int = 0
+
+    @property
+    def bytes(self) -> float:
+        return math.prod(self.dims) * _DTYPE_BYTES.get(self.dtype, 4)
+
+
+def parse_shapes(text: str) -> list[Shape]:
+    """Every array shape in an HLO type (a tuple gives several), with its memory space."""
+    shapes = []
+    for dtype, dims, layout in _ARRAY.findall(text):
+        if dtype not in _DTYPE_BYTES:
+            continue
+        space = re.search(r"S\((\d+)\)", layout or "")
+        shapes.append(Shape(dtype, tuple(int(d) for d in dims.split(",") if d), int(space[1]) if space else 0))
+    return shapes
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """('type', 'opcode(...)...') from the text after `name = `: the type may be a tuple."""
+    if rest.startswith("("):
+        depth = 0
+        for i, char in enumerate(rest):
+            depth += (char == "(") - (char == ")")
+            if depth == 0:
+                return rest[:i + 1], rest[i + 1:].lstrip()
+    type_text, _, tail = rest.partition(" ")
+    return type_text, tail
+
+
+@dataclass
+class Instruction:
+    name: str
+    shapes: list[Shape]
+    opcode: str
+    operands: list[str]
+    attributes: str
+    literal: str = ""  # a constant's value as written
+
+    @property
+    def bytes(self) -> float:
+        return sum(s.bytes for s in self.shapes)
+
+
+@dataclass
+class Computation:
+    name: str
+    params: dict[str, list[Shape]]
+    instructions: list[Instruction] = field(default_factory=list)
+
+    def shape_of(self, name: str) -> list[Shape]:
+        if name in self.params:
+            return self.params[name]
+        for instruction in self.instructions:
+            if instruction.name == name:
+                return instruction.shapes
+        return []
+
+
+def _operands(call: str) -> tuple[str, str]:
+    """(operand list text, attribute text) of `opcode(a, b), attr=...`."""
+    depth = 0
+    for i, char in enumerate(call):
+        depth += (char == "(") - (char == ")")
+        if depth == 0 and char == ")":
+            return call[:i], call[i + 1:]
+    return call, ""
+
+
+def parse_module(text: str) -> tuple[dict[str, Computation], str]:
+    """(computations by name, the entry's name) of an HLO module's text."""
+    computations: dict[str, Computation] = {}
+    entry = ""
+    current: Computation | None = None
+    for line in text.splitlines():
+        if current is None:
+            header = _HEADER.match(line)
+            if header:
+                params = {}
+                for part in re.finditer(r"([\w.\-]+):\s*((?:\([^)]*\))|[^,]+)", header[3]):
+                    params[part[1]] = parse_shapes(part[2])
+                current = Computation(header[2], params)
+                if header[1]:
+                    entry = current.name
+            continue
+        if line.rstrip() == "}":
+            computations[current.name] = current
+            current = None
+            continue
+        match = _INSTRUCTION.match(line)
+        if not match:
+            continue
+        type_text, call = _split_type(match[3])
+        opcode, _, args = call.partition("(")
+        operand_text, attributes = _operands("(" + args)
+        operands = re.findall(r"%([\w.\-]+)", operand_text)
+        opcode = opcode.strip()
+        current.instructions.append(Instruction(match[2], parse_shapes(type_text), opcode, operands, attributes,
+                                                operand_text[1:] if opcode == "constant" else ""))
+    return computations, entry
+
+
+def _callees(instruction: Instruction) -> list[tuple[str, str]]:
+    found = _CALLEES.findall(instruction.attributes)
+    for group in _BRANCHES.findall(instruction.attributes):
+        found += [("branch", name.strip().lstrip("%")) for name in group.split(",") if name.strip()]
+    return found
+
+
+# ---------------------------------------------------------------- FLOPs of one instruction
+
+def _dims(attributes: str, key: str) -> list[int]:
+    match = re.search(key + r"=\{([0-9,]*)\}", attributes)
+    return [int(d) for d in match[1].split(",") if d] if match else []
+
+
+def instruction_flops(instruction: Instruction, computation: Computation) -> float:
+    """2 x multiply-adds of a dot or convolution; 0 for anything else."""
+    if instruction.opcode == "dot" and instruction.shapes:
+        lhs = computation.shape_of(instruction.operands[0])
+        if not lhs:
+            return 0.0
+        contracted = math.prod(lhs[0].dims[d] for d in _dims(instruction.attributes, "lhs_contracting_dims"))
+        return 2.0 * math.prod(instruction.shapes[0].dims) * contracted
+    if instruction.opcode == "convolution" and instruction.shapes and len(instruction.operands) > 1:
+        return _convolution_flops(instruction, computation)
+    return 0.0
+
+
+def _convolution_flops(instruction: Instruction, computation: Computation) -> float:
+    """As XLA counts a convolution: per output element, the kernel taps that land inside the
+    (unpadded) input, times the input features. TPU programs write most matmuls this way, with
+    batch dimensions as fully padded windows."""
+    lhs, kernel = (computation.shape_of(o) for o in instruction.operands[:2])
+    labels = re.search(r"dim_labels=([^_]+)_([^-]+)->(\S+?)[,\s]", instruction.attributes + " ")
+    if not lhs or not kernel or not labels:
+        return 0.0
+    lhs_labels, rhs_labels, out_labels = labels[1], labels[2], labels[3]
+    out = instruction.shapes[0].dims
+    spatial = sorted(label for label in rhs_labels if label.isdigit())
+    window = re.search(r"window=\{([^}]*)\}", instruction.attributes)
+    fields = dict(re.findall(r"(\w+)=(\S+)", window[1])) if window else {}
+    pads = [tuple(int(v) for v in p.split("_")) for p in fields.get("pad", "").split("x") if p]
+    strides = [int(v) for v in fields.get("stride", "").split("x") if v]
+    taps = 1
+    for i, label in enumerate(spatial):
+        size_in = lhs[0].dims[lhs_labels.index(label)]
+        size_k = kernel[0].dims[rhs_labels.index(label)]
+        size_out = out[out_labels.index(label)]
+        low = pads[i][0] if i < len(pads) else 0
+        stride = strides[i] if i < len(strides) else 1
+        valid = 0
+        for k in range(size_k):  # outputs o with 0 <= o*stride + k - low < size_in
+            first = max(0, -(-(low - k) // stride))
+            last = min(size_out - 1, (size_in - 1 + low - k) // stride)
+            valid += max(0, last - first + 1)
+        taps *= valid
+    outer = math.prod(out) // max(1, math.prod(out[out_labels.index(label)] for label in spatial))
+    features = kernel[0].dims[rhs_labels.index("i")]
+    return 2.0 * outer * features * taps
+
+
+# ---------------------------------------------------------------- replica groups
+
+def replica_groups(attributes: str, devices: int) -> list[list[int]]:
+    """The device groups of a collective: `{{0,1},{2,3}}`, the iota form `[G,N]<=[d..]T(perm)`,
+    or none written (every device in one group). A collective-permute's pairs become groups."""
+    pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", attributes)
+    if pairs:
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)", pairs[1] + "}")]
+    iota = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attributes)
+    if iota:
+        shape = [int(d) for d in iota[1].split(",")]
+        reshape = [int(d) for d in iota[2].split(",")]
+        ids = list(range(math.prod(reshape)))
+        if iota[3]:
+            perm = [int(d) for d in iota[3].split(",")]
+            ids = _transpose(ids, reshape, perm)
+        size = shape[-1]
+        return [ids[i:i + size] for i in range(0, len(ids), size)]
+    explicit = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", attributes)
+    if explicit and explicit[1]:
+        return [[int(d) for d in group.split(",") if d] for group in re.findall(r"\{([0-9,]*)\}", explicit[1])]
+    return [list(range(devices))]
+
+
+def _transpose(ids: list[int], shape: list[int], perm: list[int]) -> list[int]:
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    out_shape = [shape[p] for p in perm]
+    out = []
+    for flat in range(len(ids)):
+        index, rest = [], flat
+        for size in reversed(out_shape):
+            index.append(rest % size)
+            rest //= size
+        index.reverse()
+        source = sum(index[k] * strides[perm[k]] for k in range(len(perm)))
+        out.append(ids[source])
+    return out
+
+
+# ---------------------------------------------------------------- the program
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str  # one of COLLECTIVES
+    bytes: float  # the full buffer: an all-gather's output, a reduce-scatter's input, ...
+    groups: tuple[tuple[int, ...], ...]
+    asynchronous: bool
+    count: int  # how often it runs in one step
+
+    @property
+    def group_size(self) -> int:
+        return max(len(g) for g in self.groups) if self.groups else 1
+
+
+@dataclass
+class ProgramCost:
+    """One step of a compiled program, every loop iteration counted."""
+
+    flops: float = 0.0
+    hbm_bytes: float = 0.0
+    host_bytes: float = 0.0
+    # (flops, bytes, count) of each top-level op, for a roofline per kernel
+    ops: list[tuple[float, float, int]] = field(default_factory=list)
+    collectives: list[Collective] = field(default_factory=list)
+    loops: dict[str, int] = field(default_factory=dict)  # while body -> trip count
+
+    def roofline_seconds(self, flops_per_s: float, bytes_per_s: float) -> tuple[float, float]:
+        """(compute-bound seconds, memory-bound seconds): each kernel takes the longer of its FLOPs
+        at `flops_per_s` and its bytes at `bytes_per_s`, filed under what bounds it."""
+        compute = memory = 0.0
+        for flops, moved, count in self.ops:
+            f, m = flops / flops_per_s, moved / bytes_per_s
+            if f >= m:
+                compute += count * f
+            else:
+                memory += count * m
+        return compute, memory
+
+
+def trip_count(loop: Instruction, computations: dict[str, Computation], caller: Computation) -> int:
+    """A while loop's iterations: its condition compares the counter with a constant (`i < N`);
+    the counter starts at the init tuple's first element when that is a constant, else 0."""
+    condition = computations.get(dict(_CALLEES.findall(loop.attributes)).get("condition", ""))
+    if condition is None:
+        return 1
+    bound = None
+    for instruction in condition.instructions:
+        if instruction.opcode == "compare" and "direction=LT" in instruction.attributes:
+            for operand in instruction.operands:
+                bound = _literal(condition, operand)
+                if bound is not None:
+                    break
+    if bound is None:
+        return 1
+    start = 0
+    init = next((i for i in caller.instructions if i.name == (loop.operands or [""])[0]), None)
+    if init is not None and init.opcode == "tuple" and init.operands:
+        start = _literal(caller, init.operands[0]) or 0
+    return max(bound - start, 1)
+
+
+def _literal(computation: Computation, name: str) -> int | None:
+    """The integer a scalar `constant(N)` instruction holds."""
+    for instruction in computation.instructions:
+        if instruction.name == name and instruction.opcode == "constant":
+            scalar = not instruction.shapes or not instruction.shapes[0].dims
+            return int(instruction.literal) if scalar and re.fullmatch(r"-?\d+", instruction.literal) else None
+    return None
+
+
+def program_cost(text: str, devices: int) -> ProgramCost:
+    """The cost of one run of the HLO module `text` on each of its `devices`."""
+    computations, entry = parse_module(text)
+    cost = ProgramCost()
+    fused_flops: dict[str, float] = {}
+
+    def flops_inside(name: str) -> float:
+        """FLOPs of a called computation (a fusion's body), nested calls included."""
+        if name not in fused_flops:
+            fused_flops[name] = 0.0
+            computation = computations.get(name)
+            if computation is not None:
+                total = 0.0
+                for instruction in computation.instructions:
+                    total += instruction_flops(instruction, computation)
+                    for _, callee in _callees(instruction):
+                        total += flops_inside(callee)
+                fused_flops[name] = total
+        return fused_flops[name]
+
+    def collectives_inside(name: str, asynchronous: bool, count: int, seen: set) -> None:
+        computation = computations.get(name)
+        if computation is None or name in seen:
+            return
+        seen = seen | {name}
+        for instruction in computation.instructions:
+            _record_collective(cost, instruction, computation, asynchronous, count, devices)
+            for _, callee in _callees(instruction):
+                collectives_inside(callee, asynchronous, count, seen)
+
+    def walk(name: str, count: int, seen: tuple) -> None:
+        computation = computations.get(name)
+        if computation is None or name in seen:
+            return
+        seen = seen + (name,)
+        for instruction in computation.instructions:
+            opcode = instruction.opcode
+            callees = _callees(instruction)
+            if opcode == "while":
+                trips = trip_count(instruction, computations, computation)
+                body = dict(callees).get("body")
+                if body:
+                    cost.loops[body] = trips
+                    walk(body, count * trips, seen)
+                continue
+            if opcode in ("call", "conditional"):
+                for _, callee in callees:
+                    walk(callee, count, seen)
+                continue
+            asynchronous = opcode.endswith("-start") or (
+                opcode == "custom-call" and "AsyncCollectiveStart" in instruction.attributes)
+            _record_collective(cost, instruction, computation, asynchronous, count, devices)
+            for role, callee in callees:
+                if role == "calls":
+                    collectives_inside(callee, asynchronous or _async_fusion(instruction), count, set())
+            if opcode in _FREE:
+                continue
+            flops = instruction_flops(instruction, computation) + sum(
+                flops_inside(callee) for role, callee in callees if role == "calls")
+            operand_shapes = [s for o in instruction.operands for s in computation.shape_of(o)]
+            moved = sum(s.bytes for s in operand_shapes if s.memory_space != HOST_MEMORY_SPACE) + sum(
+                s.bytes for s in instruction.shapes if s.memory_space != HOST_MEMORY_SPACE)
+            host = sum(s.bytes for s in operand_shapes + instruction.shapes if s.memory_space == HOST_MEMORY_SPACE)
+            if opcode == "copy-start" and instruction.shapes:
+                host = instruction.shapes[0].bytes if any(
+                    s.memory_space == HOST_MEMORY_SPACE for s in operand_shapes + instruction.shapes) else 0.0
+                moved = 0.0 if host else moved
+            cost.flops += count * flops
+            cost.hbm_bytes += count * moved
+            cost.host_bytes += count * host
+            cost.ops.append((flops, moved, count))
+
+    walk(entry, 1, ())
+    return cost
+
+
+def _async_fusion(instruction: Instruction) -> bool:
+    return "async" in instruction.name or "AsyncCollective" in instruction.attributes
+
+
+def _record_collective(cost: ProgramCost, instruction: Instruction, computation: Computation, asynchronous: bool,
+                       count: int, devices: int) -> None:
+    opcode = instruction.opcode
+    kind = opcode.removesuffix("-start")
+    if kind not in COLLECTIVES:
+        return
+    operand_bytes = sum(s.bytes for o in instruction.operands for s in computation.shape_of(o))
+    result_bytes = instruction.shapes[0].bytes if opcode.endswith("-start") and instruction.shapes else instruction.bytes
+    if opcode.endswith("-start") and kind != "collective-permute" and len(instruction.shapes) > 1:
+        result_bytes = instruction.shapes[-1].bytes if kind == "all-gather" else result_bytes
+    # The full buffer: what an all-gather produces, what the others consume.
+    size = max(result_bytes, operand_bytes) if kind == "all-gather" else operand_bytes or result_bytes
+    groups = tuple(tuple(g) for g in replica_groups(instruction.attributes, devices))
+    cost.collectives.append(Collective(kind, float(size), groups, asynchronous or opcode.endswith("-start"), count))
