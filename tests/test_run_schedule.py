@@ -90,6 +90,39 @@ def test_bad_settings_name_their_flag(settings, flag):
         Schedule(**{"kind": "cosine", "peak": 1e-3, "warmup_steps": 5, "decay_steps": 60, **settings})
 
 
+# ------------------------------------------------------------------ the train step takes the rate
+
+def test_the_train_step_applies_the_rate_it_is_given_as_optax_adamw_would():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mxc.compiler.lower.loss import loss_sums
+    from mxc.compiler.lower.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
+    from mxc.compiler.lower.train import TrainState, make_gradient_step
+
+    config = OptimizerConfig(learning_rate=1.0, warmup_steps=5, total_steps=10, weight_decay=0.1, clip_norm=0.5)
+    params = {"table": jax.random.normal(jax.random.key(0), (8, 8))}
+    batch = {"inputs": jnp.arange(16).reshape(2, 8) % 8, "targets": (jnp.arange(16).reshape(2, 8) + 1) % 8,
+             "mask": jnp.ones((2, 8))}
+
+    def sums(p, b):
+        return loss_sums(p["table"][b["inputs"]], b["targets"], b["mask"])
+
+    optimizer = make_optimizer(config)
+    step = jax.jit(make_gradient_step(sums, optimizer, learning_rate_schedule(config)))
+    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    new, metrics = step(state, batch, jnp.float32(0.02))
+    # The schedule baked into the config would give 0 at step 0: the given rate is what counts.
+    assert float(metrics["learning_rate"]) == pytest.approx(0.02)
+    reference = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(0.02, b1=config.b1, b2=config.b2,
+                                                                          eps=config.eps, weight_decay=0.1))
+    grads = jax.grad(lambda p: sums(p, batch).total() / 16.0)(params)
+    updates, _ = reference.update(grads, reference.init(params), params)
+    np.testing.assert_allclose(new.params["table"], optax.apply_updates(params, updates)["table"], rtol=1e-5,
+                               atol=1e-7)
+
+
 # ------------------------------------------------------------------ the loop feeds and stores it
 
 import json  # noqa: E402
