@@ -70,8 +70,8 @@ def quantize_with(x: jax.Array, kind: str, scale: jax.Array) -> jax.Array:
     y = x.astype(jnp.float32) / broadcast_scale(scale, x.shape)
     if kind == "fp8":
         return jnp.clip(y, -bound, bound).astype(stored)
-    limit = jnp.iinfo(stored).max
-    return jnp.clip(jnp.round(y), -limit - 1, limit).astype(stored)
+    limit = jnp.iinfo(stored).max  # symmetric: the group's absmax lands on ±limit however it rounds
+    return jnp.clip(jnp.round(y), -limit, limit).astype(stored)
 
 
 def quantize(x: jax.Array, kind: str, scale_shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
@@ -86,10 +86,14 @@ def dequantize(values: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Ar
 
 def scale_shape(shape: tuple[int, ...], contracting: tuple[int, ...], group_size: int | None) -> tuple[int, ...]:
     """The scale shape of a weight: 1 along its contracting axes (per output channel), or with
-    group_size one scale per group along the last contracting axis (the largest divisor of its
-    length not above group_size, so every group has the same length)."""
+    group_size one scale per group along the last contracting axis (groups of the largest divisor
+    of its length not above group_size, so every group has the same length)."""
     out = [1 if axis in contracting else n for axis, n in enumerate(shape)]
     if group_size is not None and contracting:
+        # Groups run along the last contracting axis only; the others (attention's heads before
+        # head_dim) keep one scale per entry, so no group spans two of them.
+        for other in contracting:
+            out[other] = shape[other]
         axis = max(contracting)
         length = shape[axis]
         group = max(g for g in range(1, min(group_size, length) + 1) if length % g == 0)
