@@ -6,6 +6,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -22,6 +25,7 @@ from mxc.runtime.params_io import save_params
 from mxc.runtime.tokenize import byte_tokenizer
 from mxc.spec.load import load_model
 
+MXC = str(Path(sys.executable).with_name("mxc"))
 TEXT = Path(__file__).parents[1] / "data" / "text" / "pride_and_prejudice_ch1-6.txt"
 PREFILL, DECODE = 24, 40  # scores 41 positions; small, so the test stays fast
 # The speed's prompt and steps match the accuracy's sizes: one servable, compiled once.
@@ -37,7 +41,8 @@ def _random_params(spec, seed: int) -> dict:
 
 def _model_dir(path: Path, params) -> Path:
     path.mkdir()
-    (path / "model.mspec").write_text(spec_text(load_model("llama3-tiny")))
+    # Float32 compute, as an imported float32 checkpoint has: an artifact of it computes as the reference does.
+    (path / "model.mspec").write_text(spec_text(load_model("llama3-tiny").model_copy(update={"compute_dtype": "float32"})))
     save_params(path / "params", params)
     return path
 
@@ -134,3 +139,24 @@ def test_bad_inputs_are_one_clear_error(models, capsys, tmp_path):
     assert f"mxc: error: {bad}" in capsys.readouterr().err
     assert main(["eval", "accuracy", model, "--text", str(TEXT), *SIZES]) == 1
     assert "--tokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_an_int8_artifact_scores_below_100_but_high(models, float32_run, tmp_path):
+    """Compiled for this host with --quantize int8 and given the float checkpoint (quantized at
+    load), against the float32 model's stored reference."""
+    model = models[0]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    env.pop("XLA_FLAGS", None)
+    compiled = subprocess.run([MXC, "compile", str(model / "model.mspec"), "-t", "local", "--serve", "--serve-batch", "1",
+                               "--prompt-len", str(PREFILL), "--cache-len", str(PREFILL + DECODE), "--quantize", "int8",
+                               "--functions", "prefill,decode", "-o", str(tmp_path / "int8")],
+                              env=env, capture_output=True, text=True, timeout=900)
+    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    done = subprocess.run([MXC, "eval", "accuracy", str(tmp_path / "int8"), "--params", str(model / "params"),
+                           "--reference", str(float32_run[1]), "--text", str(TEXT), "--tokenizer", "bytes", *SIZES,
+                           "--json"], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["precision"] == "int8 (fp32 compute)"
+    assert 80.0 <= result["top1"] < 100.0 and result["top5"] >= 95.0
