@@ -12,11 +12,11 @@ from typing import Annotated, Literal, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_serializer
 
 LOGICAL_AXES = ("batch", "seq", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp",
-                "experts", "layers", "q_lora", "kv_lora", "cache_seq")
+                "experts", "layers", "q_lora", "kv_lora", "cache_seq", "residual_seq")
 MESH_AXES = ("data", "fsdp", "tensor", "expert", "context", "stage")
 
 LogicalAxis = Literal["batch", "seq", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp",
-                      "experts", "layers", "q_lora", "kv_lora", "cache_seq"]
+                      "experts", "layers", "q_lora", "kv_lora", "cache_seq", "residual_seq"]
 MeshAxis = Literal["data", "fsdp", "tensor", "expert", "context", "stage"]
 DType = Literal["float32", "bfloat16", "float16"]
 Activation = Literal["silu", "gelu", "gelu_tanh", "relu"]

@@ -43,7 +43,7 @@ class DenseFFN(FeedForwardKind):
         b, s, d = choice.microbatch, choice.seq, choice.spec.d_model
         return ([Intermediate("mlpwi", shape, axes, act) for _ in range(self.input_projections)]
                 + [Intermediate("mlp_activation", shape, axes, act), Intermediate("mlp_hidden", shape, axes, act),
-                   Intermediate("mlpwo", (b, s, d), ("batch", "seq", "embed"), act)])
+                   Intermediate("mlpwo", (b, s, d), ("batch", "residual_seq", "embed"), act)])
 
     def hidden(self, ffn, gate, up):
         """The hidden units from the input projections' outputs (gate is None for one input)."""

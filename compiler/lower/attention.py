@@ -18,7 +18,7 @@ from mxc.compiler.lower.norms import apply_norm
 from mxc.compiler.lower.projection import project
 from mxc.compiler.quant import kv_cache
 from mxc.compiler.lower.rope import apply_rope, rope_angles
-from mxc.compiler.lower.sharding import constrain
+from mxc.compiler.lower.sharding import RESIDUAL_AXES, constrain
 from mxc.compiler.lower.stacking import heads_unsplit, project_joined, project_pair, stacked_projections
 
 CHECKPOINT_NAMES = ("query_proj", "key_proj", "value_proj", "context", "out_proj")
@@ -77,5 +77,5 @@ def attention_layer(att, params: dict, x: jax.Array, positions: jax.Array, *, ca
                      sinks=params.get("sinks"), segment_ids=segment_ids, impl=impl)
     context = checkpoint_name(context, "context")
     out = _project(context, params["o"], dtype, "bshd,hde->bse")
-    out = checkpoint_name(constrain(out, ("batch", "seq", "embed")), "out_proj")
+    out = checkpoint_name(constrain(out, RESIDUAL_AXES), "out_proj")
     return out, new_cache

@@ -13,11 +13,8 @@ from jax.ad_checkpoint import checkpoint_name
 from mxc.compiler.kinds import kind_of
 from mxc.compiler.lower.moe import MoEConfig, MoEStats
 from mxc.compiler.lower.norms import apply_norm
-from mxc.compiler.lower.sharding import constrain
+from mxc.compiler.lower.sharding import RESIDUAL_AXES, constrain
 from mxc.spec.ir import Block
-
-RESIDUAL_AXES = ("batch", "seq", "embed")
-
 
 def _shared_input(h: jax.Array) -> jax.Array:
     """The normalised input, computed once for all the projections that read it. Without the
@@ -34,6 +31,8 @@ def block_layer_with_stats(block: Block, params: dict, x: jax.Array, positions: 
                            moe: MoEConfig = MoEConfig()) -> tuple[jax.Array, dict | None, MoEStats | None]:
     """(x after the layer, its updated cache slice, its MoEStats or None for a dense feed-forward).
     segment_ids [batch, seq]: the documents of a packed training sequence (attention stays inside each)."""
+    # Named so a remat policy can offload the layer's input (MaxText's main memory lever).
+    x = checkpoint_name(x, "decoder_layer_input")
     # Named so a remat policy can offload the layer's input (MaxText's main memory lever).
     x = checkpoint_name(x, "decoder_layer_input")
     h = _shared_input(apply_norm(block.norm, params["attention_norm"], x))

@@ -48,7 +48,7 @@ from mxc.compiler.lower.expert_rows import expert_ffn, sort_assignments
 from mxc.compiler.lower.ffn import ffn_layer, hidden_activation
 from mxc.compiler.lower.params import moe_defs, shared_expert_ffn
 from mxc.compiler.lower.projection import project as project_kernel, weight as kernel_weight
-from mxc.compiler.lower.sharding import active_rules, constrain, partition_spec, use_rules
+from mxc.compiler.lower.sharding import RESIDUAL_AXES, active_rules, constrain, partition_spec, use_rules
 from mxc.spec.ir import MoE, ModelSpec, Router
 
 EXPERT_PATHS = ("dropless", "capacity", "dense")
@@ -301,7 +301,7 @@ def moe_layer(moe: MoE, params: dict, x: jax.Array, config: MoEConfig = MoEConfi
                                  check_vma=False)(routed_params, x)
     if moe.shared_experts:
         y = y + ffn_layer(shared_expert_ffn(moe), params["shared"], x)
-    return checkpoint_name(constrain(y, ("batch", "seq", "embed")), "mlpwo"), stats
+    return checkpoint_name(constrain(y, RESIDUAL_AXES), "mlpwo"), stats
 
 
 def _megablox_path(first_expert, first_of_hidden, interpret: bool):

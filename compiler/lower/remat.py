@@ -58,6 +58,7 @@ _POLICIES: dict[str, Saved] = {
     "none": Saved(everything=True),
     "full": Saved(),
     "minimal": Saved(dots="device"),
+    "minimal_with_context": Saved(device=(CONTEXT,), dots="device"),
     "save_dot_with_context_except_mlp": Saved(device=(*_QKV, CONTEXT, OUT_PROJ)),
     "save_dot_except_mlpwi": Saved(device=(*_QKV, OUT_PROJ, MLPWO)),
     "save_dot_except_mlp": Saved(device=(*_QKV, OUT_PROJ)),
@@ -137,9 +138,14 @@ def policy(name: str, *, host: bool = True) -> Callable | None:
         return None
     if kept.dots is not None:
         if kept.dots == "host" and host:
-            return jax.checkpoint_policies.offload_dot_with_no_batch_dims(offload_src="device",
+            dots = jax.checkpoint_policies.offload_dot_with_no_batch_dims(offload_src="device",
                                                                            offload_dst="pinned_host")
-        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        else:
+            dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        if not kept.device:
+            return dots
+        return jax.checkpoint_policies.save_from_both_policies(
+            dots, jax.checkpoint_policies.save_only_these_names(*kept.device))
     if kept.host and host:
         return jax.checkpoint_policies.save_and_offload_only_these_names(
             names_which_can_be_saved=list(kept.device), names_which_can_be_offloaded=list(kept.host),

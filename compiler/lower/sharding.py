@@ -8,10 +8,19 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from typing import Mapping, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+# The residual stream between layers. Its sequence dimension has a logical axis of its own, so a
+# plan may split it over tensor as well as context (sequence parallelism: the layer all-gathers
+# it before attention and the MLP and reduce-scatters their outputs, instead of all-reducing).
+RESIDUAL_AXES = ("batch", "residual_seq", "embed")
+# Activation dimensions kept whole on a mesh axis that does not divide them (a decode step's one
+# token under sequence parallelism), rather than padded onto every device of the axis.
+WHOLE_WHEN_UNEVEN = frozenset({"residual_seq"})
 
 Rules = Mapping[str, Sequence[str]]  # logical axis -> mesh axes, e.g. {"batch": ("data", "fsdp")}
 LogicalAxes = tuple  # one logical axis name (or None) per array dimension
@@ -52,7 +61,17 @@ def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
     if active is None:
         return x
     mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, named_sharding(axes, mesh, rules))
+    spec = partition_spec(axes, rules, mesh)
+    if WHOLE_WHEN_UNEVEN.intersection(axes):
+        spec = PartitionSpec(*(None if axis in WHOLE_WHEN_UNEVEN and entry is not None
+                               and size % _count(entry, mesh) else entry
+                               for axis, entry, size in zip(axes, tuple(spec) + (None,) * len(axes), x.shape)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def _count(entry, mesh: Mesh) -> int:
+    names = (entry,) if isinstance(entry, str) else entry
+    return math.prod(mesh.shape[name] for name in names)
 
 
 def tree_shardings(axes_tree, mesh: Mesh, rules: Rules):

@@ -78,9 +78,12 @@ def intermediates(block: Block, choice: Choice) -> list[Intermediate]:
     att, ffn = block.attention, block.mlp
     v_dim = kind_of(att).value_head_dim(att)
     tokens = ("batch", "seq")
+    # The residual stream and what is computed on it token by token (norms), split like it: with
+    # sequence parallelism over tensor too (mxc.compiler.lower.sharding.RESIDUAL_AXES).
+    residual = ("batch", "residual_seq", "embed")
     out = [
-        Intermediate("layer_input", (b, s, d), (*tokens, "embed"), act),
-        Intermediate("attention_norm_out", (b, s, d), (*tokens, "embed"), act),
+        Intermediate("layer_input", (b, s, d), residual, act),
+        Intermediate("attention_norm_out", (b, s, d), residual, act),
         Intermediate("query_proj", (b, s, att.heads, att.head_dim), (*tokens, "heads", "head_dim"), act),
         Intermediate("key_proj", (b, s, att.kv_heads, att.head_dim), (*tokens, "kv_heads", "head_dim"), act),
         Intermediate("value_proj", (b, s, att.kv_heads, v_dim), (*tokens, "kv_heads", "head_dim"), act),
@@ -96,9 +99,9 @@ def intermediates(block: Block, choice: Choice) -> list[Intermediate]:
         out.append(Intermediate("attention_probabilities", (b, att.heads, s, s), ("batch", "heads", "seq", None), 4))
     out += [
         Intermediate("context", (b, s, att.heads, v_dim), (*tokens, "heads", "head_dim"), act),
-        Intermediate("out_proj", (b, s, d), (*tokens, "embed"), act),
-        Intermediate("attention_residual", (b, s, d), (*tokens, "embed"), act),
-        Intermediate("mlp_norm_out", (b, s, d), (*tokens, "embed"), act),
+        Intermediate("out_proj", (b, s, d), residual, act),
+        Intermediate("attention_residual", (b, s, d), residual, act),
+        Intermediate("mlp_norm_out", (b, s, d), residual, act),
     ]
     out += kind_of(ffn).intermediates(ffn, choice)
     return out

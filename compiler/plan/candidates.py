@@ -13,7 +13,7 @@ from mxc.compiler.plan import cost, memory
 from mxc.compiler.plan.choice import Choice
 from mxc.compiler.plan.layout import Parameters
 from mxc.compiler.plan.plan import MESH_AXES, Memory, StepTime
-from mxc.compiler.plan.rules import make_rules
+from mxc.compiler.plan.rules import SEQUENCE_PARALLEL, make_rules, sequence_parallel
 from mxc.compiler.topology import Topology
 from mxc.spec.ir import ModelSpec
 
@@ -109,11 +109,22 @@ def choices(spec: ModelSpec, params: Parameters, topology: Topology, seq: int, b
         base = Choice(spec, params, topology, mesh, dcn, rules, seq, batch, 1, policies[0],
                       attention_for(topology, seq, mesh["context"]), tuple(notes), *expert_settings(spec))
         split = base.split("batch")
+        layouts = [base]
+        if sequence_parallel_applies(mesh, seq, pinned_rules):
+            layouts.append(replace(base, rules={**rules, "residual_seq": SEQUENCE_PARALLEL}))
         for count in [microbatches] if microbatches else divisors(batch):
             if batch % count or (batch // count) % split:
                 continue
-            for policy in policies:
-                yield replace(base, microbatches=count, remat=policy)
+            for layout in layouts:
+                for policy in policies:
+                    yield replace(layout, microbatches=count, remat=policy)
+
+
+def sequence_parallel_applies(mesh: Mapping[str, int], seq: int, pinned_rules: Mapping) -> bool:
+    """Whether splitting the residual stream's sequence over tensor is a distinct candidate: there
+    is a tensor axis, the sequence divides over it and context, and the spec does not pin it."""
+    pieces = mesh["tensor"] * mesh["context"]
+    return mesh["tensor"] > 1 and seq % pieces == 0 and "residual_seq" not in pinned_rules
 
 
 def expert_settings(spec: ModelSpec) -> tuple[str | None, float | None]:
@@ -135,9 +146,10 @@ def fits(item: Scored, hbm: int) -> bool:
 def rank(item: Scored) -> tuple:
     from mxc.compiler.lower.remat import needs_host_memory
 
-    # Fastest first; at equal speed fewer microbatches, no offloading, then less memory.
+    # Fastest first; at equal speed fewer microbatches, no memory lever (offloading, sequence
+    # parallelism), then less memory.
     return (round(item.time.step_s, 6), item.choice.microbatches, needs_host_memory(item.choice.remat),
-            item.memory.total)
+            sequence_parallel(item.choice.rules), item.memory.total)
 
 
 def fastest_fitting(spec: ModelSpec, params: Parameters, topology: Topology, seq: int, batch: int,
@@ -154,7 +166,9 @@ def fastest_fitting(spec: ModelSpec, params: Parameters, topology: Topology, seq
 
 def describe(choice: Choice) -> str:
     mesh = ", ".join(f"{a} {choice.mesh[a]}" for a in MESH_AXES if choice.mesh[a] > 1) or "one device"
-    return f"{mesh}; remat {choice.remat}; {choice.microbatches} microbatch{'es' if choice.microbatches > 1 else ''}"
+    layout = " (sequence-parallel)" if sequence_parallel(choice.rules) else ""
+    return (f"{mesh}{layout}; remat {choice.remat}; "
+            f"{choice.microbatches} microbatch{'es' if choice.microbatches > 1 else ''}")
 
 
 def mesh_text(choice: Choice) -> str:

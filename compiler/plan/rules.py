@@ -10,6 +10,8 @@ Defaults follow MaxText's logical axis rules, reduced to the axes mxc plans:
                                       its embedding whole
     heads, kv_heads, mlp, vocab -> tensor   Megatron-style tensor parallelism
     experts -> expert
+    residual_seq -> context           the residual stream between layers; with sequence
+                                      parallelism also tensor (SEQUENCE_PARALLEL)
 A mesh axis is used at most once per array (mxc.compiler.lower.sharding.partition_spec), so
 `embed -> fsdp` shards a weight and leaves the batch-sharded activation alone.
 """
@@ -23,6 +25,7 @@ from mxc.compiler.plan.layout import Tensor, shard_counts
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp", "expert"),
     "seq": ("context",),
+    "residual_seq": ("context",),
     "embed": ("fsdp", "context", "expert"),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
@@ -30,6 +33,15 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "vocab": ("tensor",),
     "experts": ("expert",),
 }
+
+
+# The residual stream's sequence split over tensor too (Megatron's sequence parallelism): each
+# tensor shard keeps 1/tensor of it between layers.
+SEQUENCE_PARALLEL = ("context", "tensor")
+
+
+def sequence_parallel(rules: Mapping[str, tuple[str, ...]]) -> bool:
+    return "tensor" in rules.get("residual_seq", ())
 
 
 def make_rules(mesh: Mapping[str, int], tensors: tuple[Tensor, ...], pinned: Mapping[str, tuple[str, ...]] = {},

@@ -16,7 +16,7 @@ from mxc.compiler.plan.choice import Choice
 from mxc.compiler.plan.explain import Verdicts
 from mxc.compiler.plan.layout import parameters
 from mxc.compiler.plan.plan import MESH_AXES, Lowering, Plan, Verification, spec_hash
-from mxc.compiler.plan.rules import make_rules
+from mxc.compiler.plan.rules import SEQUENCE_PARALLEL, make_rules
 from mxc.compiler.topology import Topology
 from mxc.spec.ir import ModelSpec
 
@@ -82,7 +82,7 @@ def plan(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, pins: Map
 
 
 def evaluate(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, mesh: Mapping[str, int],
-             remat: str, microbatches: int = 1, dcn: Mapping[str, int] | None = None) -> Plan:
+             remat: str, sequence_parallel: bool = False, microbatches: int = 1, dcn: Mapping[str, int] | None = None) -> Plan:
     """One fixed setting (a recipe's mesh, remat and batch) as a Plan with its predicted memory
     and step time; not compiled (verify.verify judges it)."""
     params = _parameters(spec)
@@ -92,6 +92,8 @@ def evaluate(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, mesh:
     if dcn is None and topology.slices > 1:
         dcn = {next(a for a in ("data", "fsdp") if sizes[a] % topology.slices == 0): topology.slices}
     rules, notes = make_rules(sizes, params.tensors, {k: tuple(v) for k, v in spec.shard.items()})
+    if sequence_parallel:  # the residual stream's sequence split over tensor too
+        rules["residual_seq"] = SEQUENCE_PARALLEL
     choice = Choice(spec, params, topology, sizes, dict(dcn or {}), rules, seq, batch, microbatches, remat,
                     attention_for(topology, seq, sizes["context"]), tuple(notes), *expert_settings(spec))
     item = score(choice)
