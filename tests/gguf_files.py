@@ -150,8 +150,9 @@ def _stacked_experts(case: TinyModel, state: dict, cfg) -> dict[str, np.ndarray]
     return out
 
 
-def write_gguf(path: Path, name: str, model, tensor_type: str = "F32", extra_metadata: dict | None = None) -> Path:
-    """A GGUF file of `model` (matrices stored as `tensor_type`, vectors as F32)."""
+def write_gguf(path: Path, name: str, model, tensor_type: str = "F32", tokenizer_pre: str | None = "default") -> Path:
+    """A GGUF file of `model` (matrices stored as `tensor_type`, vectors as F32), with a byte-level
+    tokenizer split as `tokenizer_pre` names (None: no tokenizer)."""
     import gguf
 
     case = MODELS[name]
@@ -182,9 +183,8 @@ def write_gguf(path: Path, name: str, model, tensor_type: str = "F32", extra_met
         writer.add_uint32(f"{arch}.expert_used_count", cfg.num_experts_per_tok)
         if case.experts == "qwen3_moe":
             writer.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
-    add_byte_tokenizer(writer)
-    for key, value in (extra_metadata or {}).items():
-        writer.add_key_value(key, value[0], value[1])
+    if tokenizer_pre is not None:
+        add_byte_tokenizer(writer, tokenizer_pre)
     for tensor_name, value in gguf_tensors(name, model).items():
         add_tensor(writer, tensor_name, value, tensor_type if value.ndim >= 2 else "F32")
     writer.write_header_to_file()
@@ -220,10 +220,10 @@ def byte_tokens() -> list[str]:
     return [codes[b] for b in range(256)] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
 
 
-def add_byte_tokenizer(writer) -> None:
+def add_byte_tokenizer(writer, pre: str) -> None:
     tokens = byte_tokens()
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([1] * 256 + [3] * 4)
     writer.add_token_merges([])

@@ -222,6 +222,20 @@ def test_unsupported_tensor_type_is_named(tmp_path, capsys):
     assert "blk.0.attn_q.weight has type IQ4_NL" in err and "iq.gguf" in err
 
 
+def test_unknown_pre_tokenizer_is_refused_before_anything_is_written(tmp_path, capsys):
+    path = write_gguf(tmp_path / "m.gguf", "llama", hf_model("llama"), tokenizer_pre="martian")
+    assert main(["import-gguf", str(path), "-o", str(tmp_path / "out")]) == 1
+    assert "pre-tokenizer 'martian' (tokenizer.ggml.pre) is not imported" in _one_error_line(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_file_without_tokenizer_imports_its_weights(tmp_path, capsys):
+    path = write_gguf(tmp_path / "m.gguf", "llama", hf_model("llama"), tokenizer_pre=None)
+    assert main(["import-gguf", str(path), "-o", str(tmp_path / "out")]) == 0
+    assert "the file holds no tokenizer: none written" in capsys.readouterr().out
+    assert (tmp_path / "out" / "model.mspec").is_file() and not (tmp_path / "out" / "tokenizer.json").exists()
+
+
 def test_not_a_gguf_file(tmp_path, capsys):
     (tmp_path / "x.gguf").write_bytes(b"not a gguf at all")
     assert main(["import-gguf", str(tmp_path / "x.gguf"), "-o", str(tmp_path / "out")]) == 1

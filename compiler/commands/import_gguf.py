@@ -30,10 +30,10 @@ def handler(args: argparse.Namespace) -> int:
     from mxc.compiler.gguf.importer import import_gguf
 
     try:
-        spec = import_gguf(args.gguf_file, args.output, name=args.name, force=args.force)
+        spec, with_tokenizer = import_gguf(args.gguf_file, args.output, name=args.name, force=args.force)
     except (OSError, ValueError) as err:
         raise UserError(f"cannot import {args.gguf_file}: {err}") from None
     total = summarize(spec).total_params
     print(f"imported {spec.name} ({total:,} parameters, {spec.num_layers} layers, {spec.param_dtype}) "
-          f"into {args.output}")
+          f"into {args.output}" + ("" if with_tokenizer else " (the file holds no tokenizer: none written)"))
     return 0

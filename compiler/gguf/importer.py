@@ -13,7 +13,7 @@ import numpy as np
 
 from mxc.compiler.gguf.architectures import architecture_of, hf_config, hf_tensors
 from mxc.compiler.gguf.file import GGUFError, GGUFFile, read_gguf
-from mxc.compiler.gguf.tokenizer import write_tokenizer
+from mxc.compiler.gguf.tokenizer import build_tokenizer, has_tokenizer, tokenizer_config, write_tokenizer
 from mxc.spec.ir import ModelSpec
 
 # Matrices all stored in one of these keep it; any quantized or mixed file dequantizes to float32.
@@ -35,8 +35,10 @@ def _numpy_dtype(name: str):
     return np.dtype(name)
 
 
-def import_gguf(path: str | Path, out_dir: str | Path, name: str | None = None, force: bool = False) -> ModelSpec:
-    """Read a GGUF file and write an mxc model directory with its tokenizer; returns the spec."""
+def import_gguf(path: str | Path, out_dir: str | Path, name: str | None = None,
+                force: bool = False) -> tuple[ModelSpec, bool]:
+    """Read a GGUF file and write an mxc model directory with its tokenizer; returns the spec and
+    whether the file held a tokenizer (a file without one imports its weights alone)."""
     from mxc.compiler.hf.config_in import ConfigError, spec_from_config
     from mxc.compiler.hf.convert import SPEC_FILE, PARAMS_DIR, _prepare_output, model_name, params_from_tensors
     from mxc.compiler.hf.spec_text import spec_text
@@ -56,10 +58,13 @@ def import_gguf(path: str | Path, out_dir: str | Path, name: str | None = None, 
                                   f"{cfg['_name_or_path']}).")
     if load_text(text, str(out_dir / SPEC_FILE))[spec.name] != spec:
         raise AssertionError("the written .mspec does not load back to the imported spec")
+    # Everything is built before anything is written: a refused tokenizer leaves no half-written model.
+    tokenizer = (build_tokenizer(gguf), tokenizer_config(gguf)) if has_tokenizer(gguf) else None
     params = params_from_tensors(spec, hf_tensors(gguf, cfg, _numpy_dtype(dtype)))
     _prepare_output(out_dir, force)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / SPEC_FILE).write_text(text)
     save_params(out_dir / PARAMS_DIR, params)
-    write_tokenizer(gguf, out_dir)
-    return spec
+    if tokenizer is not None:
+        write_tokenizer(*tokenizer, out_dir)
+    return spec, tokenizer is not None

@@ -176,8 +176,12 @@ def tokenizer_config(gguf: GGUFFile) -> dict:
     return config
 
 
-def write_tokenizer(gguf: GGUFFile, out_dir: Path) -> None:
-    """DIR/tokenizer.json and DIR/tokenizer_config.json."""
-    build_tokenizer(gguf).save(str(out_dir / TOKENIZER_FILE))
-    (out_dir / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tokenizer_config(gguf), indent=2, ensure_ascii=False)
-                                                 + "\n", encoding="utf-8")
+def has_tokenizer(gguf: GGUFFile) -> bool:
+    return bool(_field(gguf, "tokens"))
+
+
+def write_tokenizer(tokenizer, config: dict, out_dir: Path) -> None:
+    """DIR/tokenizer.json and DIR/tokenizer_config.json (from build_tokenizer and tokenizer_config)."""
+    tokenizer.save(str(out_dir / TOKENIZER_FILE))
+    (out_dir / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
+                                                 encoding="utf-8")
