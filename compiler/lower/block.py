@@ -33,8 +33,6 @@ def block_layer_with_stats(block: Block, params: dict, x: jax.Array, positions: 
     segment_ids [batch, seq]: the documents of a packed training sequence (attention stays inside each)."""
     # Named so a remat policy can offload the layer's input (MaxText's main memory lever).
     x = checkpoint_name(x, "decoder_layer_input")
-    # Named so a remat policy can offload the layer's input (MaxText's main memory lever).
-    x = checkpoint_name(x, "decoder_layer_input")
     h = _shared_input(apply_norm(block.norm, params["attention_norm"], x))
     h, new_cache = kind_of(block.attention).apply(block.attention, params["attention"], h, positions, cache=cache,
                                                   cache_index=cache_index, cache_positions=cache_positions,
