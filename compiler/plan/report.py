@@ -63,11 +63,15 @@ def plan_text(plan: Plan, explain: bool = True) -> str:
     if plan.time is not None:
         t = plan.time
         comm = ", ".join(f"{k} {duration(v)}" for k, v in t.communication.items()) or "none"
-        lines += ["", "  step time (estimated)",
+        source = "from the compiled program" if t.source == "compiled program" else "by formula, not compiled"
+        lines += ["", f"  step time (estimated {source})",
                   f"    compute         {duration(t.compute_s)}",
                   f"    memory traffic  {duration(t.memory_s)}",
                   f"    communication   {duration(t.communication_s)} ({comm}); exposed {duration(t.exposed_communication_s)}",
-                  f"    step            {duration(t.step_s)}: {rate(t.tokens_per_s, 'tokens/s')}, MFU {t.mfu:.1%}"]
+                  f"    pipeline bubble {t.bubble_fraction:.1%} of the step ({plan.mesh.get('stage', 1)} stage"
+                  f"{'s' if plan.mesh.get('stage', 1) > 1 else ''})",
+                  f"    step            {duration(t.step_s)}: {rate(t.tokens_per_s, 'tokens/s')} "
+                  f"({rate(t.tokens_per_s_per_device, 'tokens/s')} per device), MFU {t.mfu:.1%}"]
     if explain and plan.reasons:
         lines += ["", "  why"] + [f"    - {reason}" for reason in plan.reasons]
     if plan.advice:

@@ -121,3 +121,17 @@ def verify(spec: ModelSpec, plan: Plan, topology: Topology, found: list | None =
                             reason=f"{OUT_OF_HBM}, its peak {size_bytes(memory.total)} exceeds "
                                    f"{size_bytes(plan.hbm_bytes)}")
     return Verification(status="fits", memory=memory, compile_seconds=seconds, time=estimate)
+
+
+def estimate_on_stand_in(spec: ModelSpec, plan: Plan, topology: Topology, stand_in: Topology):
+    """(step time, cost terms) of the plan on `topology`, read from its train step compiled for
+    `stand_in`, a topology of as many devices with more HBM: for a setting XLA refuses on the
+    real chip for memory, the program's kernels and collectives are still what they would be
+    there. The terms are sized for the real chip, its collectives on the real devices' links."""
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if stand_in.chips != topology.chips or stand_in.slices != topology.slices:
+        raise ValueError(f"a stand-in for {topology.name} needs its {topology.chips} devices in {topology.slices} slices")
+    mesh = plan_mesh(plan, stand_in)
+    lowered, _, _ = lower_train_step(spec, plan, mesh)
+    compiled = lowered.compile(compiler_options=compiler_options(spec, mesh.devices.flat[0].platform) or None)
+    return program_estimate(spec, plan, topology, compiled, plan_mesh(plan, topology))

@@ -1,0 +1,176 @@
+"""`mxc plan --maxtext KEY=VALUE`: MaxText's settings read as MaxText writes them, each key used,
+ignored (and said so) or refused; the JSON is an automatic plan's, with the time fields."""
+
+import json
+import os
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import pytest
+
+from mxc.compiler.cli import main
+from mxc.compiler.plan.maxtext import MaxTextError, parse_pairs, plan_setting, setting
+from mxc.compiler.topology import parse
+from mxc.spec.load import load_model
+
+LLAMA_8B_RECIPE = ["per_device_batch_size=4", "ici_fsdp_parallelism=-1", "remat_policy=custom",
+                   "decoder_layer_input=offload", "out_proj=offload", "query_proj=offload", "key_proj=offload",
+                   "value_proj=offload", "max_target_length=8192", "attention=flash"]
+
+
+def _setting(model, topology, pairs, slices=1, **shapes):
+    return setting(parse_pairs(pairs), load_model(model), parse(topology, slices), **shapes)
+
+
+def test_values_are_read_as_maxtext_writes_them():
+    assert parse_pairs(["a=4", "b=-1", "c=1.25", "d=false", "e=True", "f=offload"]) == {
+        "a": 4, "b": -1, "c": 1.25, "d": False, "e": True, "f": "offload"}
+    with pytest.raises(MaxTextError, match="KEY=VALUE"):
+        parse_pairs(["per_device_batch_size"])
+    with pytest.raises(MaxTextError, match="given twice"):
+        parse_pairs(["a=1", "a=2"])
+
+
+def test_a_published_recipe_becomes_its_mesh_batch_and_policy():
+    s = _setting("llama3.1-8b", "v6e-256", LLAMA_8B_RECIPE)
+    assert s.mesh == {"data": 1, "fsdp": 256, "context": 1, "expert": 1, "tensor": 1} and s.dcn == {}
+    assert (s.seq, s.batch, s.microbatches) == (8192, 1024, 1)
+    assert s.remat == ("custom:decoder_layer_input=offload,query_proj=offload,key_proj=offload,"
+                       "value_proj=offload,out_proj=offload")
+    assert s.attention == "splash"
+
+
+def test_minus_one_takes_the_devices_left_over_in_ici_and_dcn():
+    s = _setting("llama3.1-405b", "v6e-256", ["per_device_batch_size=1", "ici_fsdp_parallelism=64",
+                                             "ici_tensor_parallelism=4", "dcn_fsdp_parallelism=2",
+                                             "max_target_length=8192"], slices=2)
+    assert s.mesh["fsdp"] == 128 and s.mesh["tensor"] == 4 and s.dcn == {"fsdp": 2}
+    assert s.batch == 512
+    # MaxText's defaults: fsdp takes the slice's devices left over, data the slices left over.
+    s = _setting("llama3.1-8b", "v6e-256", ["per_device_batch_size=2", "ici_tensor_parallelism=4"],
+                 slices=2, seq=4096)
+    assert s.mesh["fsdp"] == 64 and s.mesh["tensor"] == 4 and s.mesh["data"] == 2 and s.dcn == {"data": 2}
+    s = _setting("llama3.1-8b", "v6e-256", ["per_device_batch_size=2", "ici_tensor_parallelism=-1",
+                                           "ici_fsdp_parallelism=32"], seq=4096)
+    assert s.mesh["tensor"] == 8 and any("ici_tensor_parallelism -1" in n for n in s.notes)
+    with pytest.raises(MaxTextError, match="only one ici axis may be -1"):
+        _setting("llama3.1-8b", "v6e-256", ["ici_tensor_parallelism=-1", "ici_fsdp_parallelism=-1",
+                                           "per_device_batch_size=1"], seq=4096)
+    with pytest.raises(MaxTextError, match="multiply to 512"):
+        _setting("llama3.1-8b", "v6e-256", ["ici_tensor_parallelism=2", "ici_fsdp_parallelism=256",
+                                           "per_device_batch_size=1"], seq=4096)
+
+
+def test_axes_without_a_twin_map_to_the_nearest_and_say_so():
+    s = _setting("llama3.1-8b", "v6e-256", ["per_device_batch_size=1", "ici_fsdp_transpose_parallelism=4",
+                                           "ici_fsdp_parallelism=-1", "ici_sequence_parallelism=2"], seq=8192)
+    assert s.mesh["fsdp"] == 128 and s.mesh["context"] == 2
+    assert any("fsdp_transpose" in n and "nearest" in n for n in s.notes)
+    assert any("sequence" in n and "context" in n for n in s.notes)
+    with pytest.raises(MaxTextError, match="pipeline stages"):
+        _setting("llama3.1-8b", "v6e-256", ["per_device_batch_size=1", "ici_pipeline_parallelism=2"], seq=4096)
+    with pytest.raises(MaxTextError, match="inference-only"):
+        _setting("llama3.1-8b", "v6e-256", ["per_device_batch_size=1", "ici_autoregressive_parallelism=2"],
+                 seq=4096)
+
+
+def test_remat_policies_by_maxtext_name():
+    for name in ("full", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj",
+                 "qkv_proj_offloaded", "minimal_offloaded"):
+        assert _setting("llama2-70b", "v5p-512", [f"remat_policy={name}", "per_device_batch_size=4"],
+                        seq=4096).remat == name
+    assert _setting("llama2-70b", "v5p-512", ["per_device_batch_size=4"], seq=4096).remat == "full"
+    custom = _setting("llama2-70b", "v5p-512", ["remat_policy=custom", "mlpwi_0=device", "mlpwi_1=device",
+                                                "mlpwo=offload", "context=remat", "per_device_batch_size=4"], seq=4096)
+    assert custom.remat == "custom:mlpwi=device,mlpwo=offload"
+    with pytest.raises(MaxTextError, match="need remat_policy=custom"):
+        _setting("llama2-70b", "v5p-512", ["query_proj=offload", "per_device_batch_size=4"], seq=4096)
+    with pytest.raises(MaxTextError, match="unknown remat policy"):
+        _setting("llama2-70b", "v5p-512", ["remat_policy=save_everything", "per_device_batch_size=4"], seq=4096)
+    with pytest.raises(MaxTextError, match="device, offload or remat"):
+        _setting("llama2-70b", "v5p-512", ["remat_policy=custom", "query_proj=host", "per_device_batch_size=4"],
+                 seq=4096)
+
+
+def test_batch_sequence_and_accumulation():
+    s = _setting("llama2-70b", "v5p-512", ["per_device_batch_size=2", "gradient_accumulation_steps=4",
+                                           "max_target_length=4096"])
+    assert (s.batch, s.microbatches, s.seq) == (2 * 256 * 4, 4, 4096)
+    assert _setting("llama2-70b", "v5p-512", ["per_device_batch_size=2"], seq=4096, batch=64).batch == 64
+    with pytest.raises(MaxTextError, match="disagree"):
+        _setting("llama2-70b", "v5p-512", ["per_device_batch_size=2", "max_target_length=4096"], seq=2048)
+    with pytest.raises(MaxTextError, match="per_device_batch_size=N is needed"):
+        _setting("llama2-70b", "v5p-512", ["max_target_length=4096"])
+
+
+def test_experts_follow_capacity_factor_sparse_matmul_and_megablox():
+    dropped = ["per_device_batch_size=12", "capacity_factor=1.25", "megablox=false", "sparse_matmul=false"]
+    assert _setting("mixtral-8x7b", "v6e-256", dropped, seq=4096).experts == ("capacity", 1.25)
+    dropless = ["per_device_batch_size=12", "capacity_factor=-1", "sparse_matmul=true", "megablox=true"]
+    assert _setting("mixtral-8x7b", "v6e-256", dropless, seq=4096).experts == ("dropless", None)
+    with pytest.raises(MaxTextError, match="megablox=false"):
+        _setting("mixtral-8x7b", "v6e-256", ["per_device_batch_size=1", "sparse_matmul=true", "megablox=false"],
+                 seq=4096)
+    dense = _setting("llama2-70b", "v5p-512", ["per_device_batch_size=4", *dropped[1:]], seq=4096)
+    assert dense.experts is None and {"capacity_factor", "megablox", "sparse_matmul"} <= set(dense.ignored)
+
+
+def test_keys_that_do_not_change_the_program_are_listed_as_ignored():
+    s = _setting("llama3.1-8b", "v6e-256", [*LLAMA_8B_RECIPE, "sa_block_q=1024", "dataset_type=synthetic",
+                                           "steps=20", "scan_layers=true", "dtype=bfloat16"])
+    assert {"sa_block_q", "dataset_type", "steps", "scan_layers", "dtype"} <= set(s.ignored)
+
+
+def test_a_key_that_would_change_the_program_is_refused():
+    with pytest.raises(MaxTextError, match="not a MaxText setting mxc knows"):
+        _setting("llama3.1-8b", "v6e-256", [*LLAMA_8B_RECIPE, "num_vocab_tiling=4"])
+    with pytest.raises(MaxTextError, match="scan_layers=True only"):
+        _setting("llama3.1-8b", "v6e-256", [*LLAMA_8B_RECIPE, "scan_layers=false"])
+    with pytest.raises(MaxTextError, match="dtype=bfloat16 only"):
+        _setting("llama3.1-8b", "v6e-256", [*LLAMA_8B_RECIPE, "dtype=float32"])
+
+
+def test_command_prints_the_same_json_as_an_automatic_plan_with_time_fields(capsys):
+    args = ["plan", "llama3.1-8b", "--topology", "v6e-256", "--no-verify", "--json"]
+    main([*args, *(a for pair in LLAMA_8B_RECIPE for a in ("--maxtext", pair))])
+    fixed = json.loads(capsys.readouterr().out)
+    main([*args, "--seq", "8192", "--batch", "1024", "--pin", "fsdp=256", "--remat", "full", "--microbatches", "4"])
+    automatic = json.loads(capsys.readouterr().out)
+    assert set(fixed) == set(automatic)
+    for plan in (fixed, automatic):
+        assert plan["mesh"]["stage"] == 1
+        assert {"mfu", "tokens_per_s_per_device", "bubble_fraction"} <= set(plan["time"])
+        assert plan["time"]["bubble_fraction"] == 0.0
+    assert fixed["remat"].startswith("custom:decoder_layer_input=offload")
+    assert fixed["batch"] == 1024 and fixed["seq"] == 8192 and fixed["mesh"]["fsdp"] == 256
+    assert any("ignored" not in r and "per_device_batch_size 4" in r for r in fixed["reasons"])
+
+
+def test_command_errors_are_one_line(capsys):
+    base = ["plan", "llama3.1-8b", "--topology", "v6e-256", "--no-verify"]
+    assert main([*base, "--maxtext", "per_device_batch_size=4", "--maxtext", "max_target_length=8192",
+                 "--maxtext", "num_vocab_tiling=4"]) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("mxc: error: --maxtext num_vocab_tiling") and "Traceback" not in err
+    assert main([*base, "--maxtext", "per_device_batch_size=4", "--pin", "tensor=4", "--seq", "8192"]) != 0
+    assert "cannot be combined" in capsys.readouterr().err
+
+
+def test_the_setting_is_compiled_and_estimated_from_the_program():
+    # A two-layer Llama on a v5e-8 (libtpu's description), MaxText's way: fsdp 4 x tensor 2.
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_plan import SMALL_LLAMA
+    from mxc.spec.load import load_text
+
+    spec = load_text(SMALL_LLAMA, "small.mspec")["llama-small"]
+    params = parse_pairs(["per_device_batch_size=2", "ici_tensor_parallelism=2", "remat_policy=minimal",
+                          "max_target_length=1024"])
+    terms = []
+    plan = plan_setting(spec, parse("v5e-8"), params, terms=terms)
+    assert plan.xla.status == "fits", plan.xla.reason
+    assert plan.mesh["fsdp"] == 4 and plan.mesh["tensor"] == 2 and plan.batch == 16
+    assert plan.time.source == "compiled program" and len(terms) == 1
+    assert 0 < plan.time.mfu < 1
+    # Tensor parallelism's all-reduces are in the program, synchronous.
+    assert terms[0].by_kind.get("all-reduce", 0) > 0 and terms[0].exposed_collectives_s > 0
