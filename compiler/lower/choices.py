@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -20,13 +21,23 @@ class LoweringChoices:
     stacked_projections: bool  # projections of one input as one matmul over stacked kernels
     interpret_kernels: bool  # Pallas kernels (megablox) in the interpreter, as off a TPU
     quantization: str = "fp32"  # compiler/quant/config.py's name; set from the spec's `quantize`
+    # CPU-only choices, which the plan's chip decides (Plan.lowering_choices); docs/runtime.md
+    # has the measurements. Weight products' backward passes as canonical row-major matrix
+    # products (weight_gradients.py): XLA:CPU otherwise copies the large gradient transposed.
+    canonical_weight_gradients: bool = False
 
     @classmethod
     def for_platform(cls, platform: str) -> "LoweringChoices":
         # TPUs: one larger matmul suits the MXUs and compiles faster; on CPUs the stacked copy of
         # the weights costs more than the shared matmul saves (docs/compile.md). Pallas's Mosaic
         # kernels compile only for TPUs; elsewhere they run in its interpreter.
-        return cls(stacked_projections=platform == "tpu", interpret_kernels=platform != "tpu")
+        cpu = platform == "cpu"
+        return cls(stacked_projections=platform == "tpu", interpret_kernels=platform != "tpu",
+                   canonical_weight_gradients=cpu)
+
+    def with_recorded(self, recorded: dict) -> "LoweringChoices":
+        """These choices with those a plan file records (the rest stay the platform's)."""
+        return dataclasses.replace(self, **recorded)
 
 
 _PLANNED: contextvars.ContextVar[LoweringChoices | None] = contextvars.ContextVar("mxc_lowering", default=None)

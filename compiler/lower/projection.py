@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from mxc.compiler.lower.choices import lowering_choices, use_lowering
+from mxc.compiler.lower.weight_gradients import weight_product
 from mxc.compiler.quant import matmul
 from mxc.compiler.quant.config import QuantConfig, parse
 from mxc.compiler.quant.params import SCALE, SCALE_SUFFIX
@@ -91,11 +92,11 @@ def project(x: jax.Array, params: dict, pattern: str, dtype, *, mlp: bool = Fals
     if SCALE in params:
         y = matmul.stored_einsum(pattern, x, kernel, params[SCALE], config, dtype, out_dtype)
     elif _stored_bf16(kernel, config):
-        y = jnp.einsum(pattern, x, kernel.astype(dtype), preferred_element_type=out_dtype)  # float32 arithmetic
+        y = weight_product(pattern, x, kernel.astype(dtype), out_dtype)  # float32 arithmetic
     elif _applies(config, mlp):
         y = matmul.fake_quantized_einsum(pattern, x, kernel, config, dtype, out_dtype)
     else:
-        y = jnp.einsum(pattern, x, kernel.astype(dtype), preferred_element_type=out_dtype)
+        y = weight_product(pattern, x, kernel.astype(dtype), out_dtype)
     if "bias" in params:
         y = y + params["bias"].astype(dtype)
     return y

@@ -163,7 +163,8 @@ def _plan_value(spec, topology: Topology, seq: int, batch: int, pins, item: Scor
 def _lowering_for(topology: Topology) -> Lowering:
     from mxc.compiler.lower.choices import LoweringChoices
 
-    return Lowering(**vars(LoweringChoices.for_platform(topology.platform)))
+    choices = LoweringChoices.for_platform(topology.platform)
+    return Lowering(**{name: getattr(choices, name) for name in Lowering.model_fields})
 
 
 def _nothing_enumerated(spec: ModelSpec, topology: Topology, batch: int, pins) -> str:

@@ -1,0 +1,89 @@
+"""The lowering's CPU choices compute what the plain program computes: values and gradients
+agree to float32 rounding, and each choice is what a CPU plan (and only a CPU plan) picks."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mxc.compiler.lower.choices import LoweringChoices, use_lowering
+from mxc.compiler.lower.weight_gradients import weight_einsum
+from mxc.compiler.plan import plan
+from mxc.compiler.topology import parse
+from mxc.spec.load import load_model
+
+# (pattern, x shape, kernel shape): the weight products of the lowering, in both of the
+# backward pass's orders (the kernel's input axis smaller and larger than its output).
+PRODUCTS = [
+    ("bse,ev->bsv", (2, 8, 16), (16, 40)),  # untied head
+    ("bse,ve->bsv", (2, 8, 16), (40, 16)),  # tied head
+    ("...i,io->...o", (2, 8, 24), (24, 12)),  # down projection: input wider than output
+    ("bse,ehd->bshd", (2, 8, 16), (16, 3, 4)),  # attention's query
+    ("bshd,hde->bse", (2, 8, 3, 4), (3, 4, 16)),  # attention's output
+]
+
+
+@pytest.mark.parametrize("pattern, x_shape, kernel_shape", PRODUCTS)
+def test_weight_einsum_values_and_gradients_equal_the_plain_einsum(pattern, x_shape, kernel_shape):
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], x_shape, jnp.float32)
+    kernel = jax.random.normal(keys[1], kernel_shape, jnp.float32)
+    out_shape = jax.eval_shape(lambda: jnp.einsum(pattern, x, kernel)).shape
+    cotangent = jax.random.normal(keys[2], out_shape, jnp.float32)
+
+    def loss(product):
+        return lambda a, b: jnp.sum(product(a, b) * cotangent)
+
+    plain = jax.value_and_grad(loss(lambda a, b: jnp.einsum(pattern, a, b)), argnums=(0, 1))(x, kernel)
+    canonical = jax.value_and_grad(loss(lambda a, b: weight_einsum(pattern, a, b)), argnums=(0, 1))(x, kernel)
+    np.testing.assert_allclose(canonical[0], plain[0], rtol=1e-5)
+    for got, want in zip(canonical[1], plain[1]):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_head_gradient_is_not_copied_transposed():
+    """The point of the choice: no [vocab, tokens] transpose of the logits' gradient."""
+    tokens, embed, vocab = 64, 32, 4096
+    x = jnp.ones((1, tokens, embed), jnp.float32)
+    kernel = jnp.ones((embed, vocab), jnp.float32)
+
+    def shapes_in_backward(product):
+        grad = jax.grad(lambda a, b: jnp.sum(jnp.sin(product("bse,ev->bsv", a, b))), argnums=(0, 1))
+        hlo = jax.jit(grad).lower(x, kernel).compile().as_text()
+        return set(re.findall(r"f32\[(\d+,\d+)\]", hlo))
+
+    transposed = f"{vocab},{tokens}"
+    assert transposed in shapes_in_backward(jnp.einsum)  # what XLA:CPU does with the plain product
+    assert transposed not in shapes_in_backward(weight_einsum)
+
+
+@pytest.mark.parametrize("topology, cpu", [("cpu-8", True), ("cpu-1", True), ("v5p-8", False)])
+def test_only_cpu_plans_choose_the_cpu_lowering(topology, cpu):
+    chosen = plan(load_model("llama3-tiny"), parse(topology), seq=64, batch=16, verify=False)
+    assert chosen.lowering_choices().canonical_weight_gradients is cpu
+
+
+@pytest.mark.slow
+def test_a_train_step_gives_the_same_loss_and_gradients_either_way():
+    from mxc.compiler.lower.params import init_params
+    from mxc.compiler.lower.train import model_loss_sums
+
+    spec = load_model("llama3-tiny").model_copy(update={"compute_dtype": "float32"})
+    params = init_params(spec, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, spec.vocab)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": jnp.ones((2, 32), jnp.float32)}
+    sums = model_loss_sums(spec, remat="minimal")
+
+    def loss_and_grads(canonical: bool):
+        choices = LoweringChoices(stacked_projections=False, interpret_kernels=True,
+                                  canonical_weight_gradients=canonical)
+        with use_lowering(choices):
+            return jax.jit(jax.value_and_grad(lambda p: sums(p, batch).total()))(params)
+
+    (plain_loss, plain_grads), (loss, grads) = loss_and_grads(False), loss_and_grads(True)
+    np.testing.assert_allclose(loss, plain_loss, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(plain_grads)):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)
