@@ -86,7 +86,8 @@ def compile_rows(args) -> int:
               + (f" x {row['slices']} slices" if row["slices"] > 1 else "")
               + f", seq {row['seq']}, batch {row['global_batch']} ({row['maxtext_config']})", flush=True)
         terms: list = []
-        fixed = plan_setting(spec, topology, row["tuning_params"], seq=row["seq"], terms=terms)
+        texts: list = []
+        fixed = plan_setting(spec, topology, row["tuning_params"], seq=row["seq"], terms=terms, texts=texts)
         print("  " + "\n  ".join(r for r in fixed.reasons if r.startswith("maxtext: ")), flush=True)
         results = [_estimate_row("MaxText", fixed)]
         _print(results[-1], row)
@@ -97,12 +98,15 @@ def compile_rows(args) -> int:
             from mxc.compiler.plan.verify import estimate_on_stand_in
 
             other = parse(f"{stand_in}-{topology.chips_per_slice * 2}", topology.slices)
-            time, program = estimate_on_stand_in(spec, fixed, topology, other)
+            time, program = estimate_on_stand_in(spec, fixed, topology, other, texts)
             terms.append(program)
             results.append({**_estimate_row("MaxText", fixed.model_copy(update={"time": time})),
                             "estimate_from": f"program compiled for {other.name}" + (
                                 f" x {other.slices}" if other.slices > 1 else "")})
             _print(results[-1], row)
+        if texts and args.hlo:
+            Path(args.hlo).mkdir(parents=True, exist_ok=True)
+            (Path(args.hlo) / f"{row['model']}_{row['topology']}x{row['slices']}.hlo").write_text(texts[-1])
         if terms and args.terms:
             saved[row["name"]] = {"status": fixed.xla.status, "compiled_for": results[-1]["estimate_from"],
                                   "terms": terms[0].to_json()}
@@ -142,6 +146,7 @@ def main() -> int:
     parser.add_argument("--json", metavar="FILE", help="append one JSON line per compile")
     parser.add_argument("--terms", default=str(DEFAULT_TERMS), metavar="FILE",
                         help="where the compiled programs' cost terms are kept (default: %(default)s)")
+    parser.add_argument("--hlo", metavar="DIR", help="also keep each compiled program's HLO text here")
     parser.add_argument("--skip-done", action="store_true", help="skip rows whose terms are saved already")
     parser.add_argument("--fit", action="store_true", help="fit the constants on the saved terms; compile nothing")
     args = parser.parse_args()

@@ -156,8 +156,10 @@ def test_command_errors_are_one_line(capsys):
     assert "cannot be combined" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_setting_is_compiled_and_estimated_from_the_program():
     # A two-layer Llama on a v5e-8 (libtpu's description), MaxText's way: fsdp 4 x tensor 2.
+    # About a minute of CPU (the train step compiled for a TPU slice).
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
     from test_plan import SMALL_LLAMA

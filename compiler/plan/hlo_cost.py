@@ -309,7 +309,23 @@ def trip_count(loop: Instruction, computations: dict[str, Computation], caller: 
     init = next((i for i in caller.instructions if i.name == (loop.operands or [""])[0]), None)
     if init is not None and init.opcode == "tuple" and init.operands:
         start = _literal(caller, init.operands[0]) or 0
-    return max(bound - start, 1)
+    return max(-(-(bound - start) // _counter_step(loop, computations)), 1)
+
+
+def _counter_step(loop: Instruction, computations: dict[str, Computation]) -> int:
+    """How much the body adds to the counter (tuple element 0) each iteration: more than 1 where
+    XLA unrolled the loop."""
+    body = computations.get(dict(_CALLEES.findall(loop.attributes)).get("body", ""))
+    if body is None or not body.instructions:
+        return 1
+    root = body.instructions[-1]
+    if root.opcode != "tuple" or not root.operands:
+        return 1
+    counter = next((i for i in body.instructions if i.name == root.operands[0]), None)
+    if counter is None or counter.opcode != "add":
+        return 1
+    steps = [_literal(body, operand) for operand in counter.operands]
+    return next((step for step in steps if step and step > 0), 1)
 
 
 def _literal(computation: Computation, name: str) -> int | None:
@@ -381,13 +397,12 @@ def program_cost(text: str, devices: int) -> ProgramCost:
             flops = instruction_flops(instruction, computation) + sum(
                 flops_inside(callee) for role, callee in callees if role == "calls")
             operand_shapes = [s for o in instruction.operands for s in computation.shape_of(o)]
-            moved = sum(s.bytes for s in operand_shapes if s.memory_space != HOST_MEMORY_SPACE) + sum(
-                s.bytes for s in instruction.shapes if s.memory_space != HOST_MEMORY_SPACE)
-            host = sum(s.bytes for s in operand_shapes + instruction.shapes if s.memory_space == HOST_MEMORY_SPACE)
-            if opcode == "copy-start" and instruction.shapes:
-                host = instruction.shapes[0].bytes if any(
-                    s.memory_space == HOST_MEMORY_SPACE for s in operand_shapes + instruction.shapes) else 0.0
-                moved = 0.0 if host else moved
+            on_device = sum(s.bytes for s in operand_shapes + instruction.shapes if s.memory_space != HOST_MEMORY_SPACE)
+            on_host = sum(s.bytes for s in operand_shapes + instruction.shapes if s.memory_space == HOST_MEMORY_SPACE)
+            # A copy between HBM and host moves its device side over the host link (a slice
+            # written into, or read from, a stacked host buffer moves the slice, not the buffer).
+            host = min(on_device, on_host) if on_host else 0.0
+            moved = on_device - host
             cost.flops += count * flops
             cost.hbm_bytes += count * moved
             cost.host_bytes += count * host

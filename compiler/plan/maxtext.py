@@ -344,7 +344,7 @@ def _experts(params, moe: bool, topology, notes: list[str], ignored: list[str]):
 
 
 def plan_setting(spec, topology, params: dict[str, object], *, seq: int | None = None, batch: int | None = None,
-                 verify: bool = True, terms: list | None = None):
+                 verify: bool = True, terms: list | None = None, texts: list | None = None):
     """The Plan for exactly MaxText's setting `params`: compiled for the topology (unless
     `verify` is false) and estimated from the compiled program, as an automatic plan is."""
     from mxc.compiler.plan.plan import Verification
@@ -367,7 +367,7 @@ def plan_setting(spec, topology, params: dict[str, object], *, seq: int | None =
     if verify:
         from mxc.compiler.plan.verify import verify as compile_and_judge
 
-        verdict = compile_and_judge(spec, result, topology, terms=terms)
+        verdict = compile_and_judge(spec, result, topology, terms=terms, texts=texts)
     else:
         verdict = Verification(status="skipped", reason="--no-verify")
     fits = verdict.status == "fits" or (verdict.status in ("unavailable", "skipped")

@@ -57,7 +57,7 @@ def _first_line(err: Exception) -> str:
     return f"XLA: {line[:300]}"
 
 
-def program_estimate(spec: ModelSpec, plan: Plan, topology: Topology, compiled, mesh):
+def program_estimate(spec: ModelSpec, plan: Plan, topology: Topology, compiled, mesh, texts: list | None = None):
     """(step time, the program's cost terms) of a compiled train step: its HLO read by
     mxc.compiler.plan.hlo_cost, sized for the topology's chip (mxc.compiler.plan.cost)."""
     from mxc.compiler.analysis import attention_flops_per_token, summarize
@@ -65,7 +65,10 @@ def program_estimate(spec: ModelSpec, plan: Plan, topology: Topology, compiled, 
     from mxc.compiler.plan.hlo_cost import program_cost
 
     devices = list(mesh.devices.flat)
-    program = program_cost(compiled.as_text(), len(devices))
+    text = compiled.as_text()
+    if texts is not None:
+        texts.append(text)
+    program = program_cost(text, len(devices))
     tokens = plan.batch * plan.seq / len(devices)
     model_flops = summarize(spec, plan.seq).train_flops_per_token * tokens
     # A Pallas attention kernel is opaque to the HLO: its FLOPs as the kernel runs them, the
@@ -80,10 +83,10 @@ def program_estimate(spec: ModelSpec, plan: Plan, topology: Topology, compiled, 
 
 
 def verify(spec: ModelSpec, plan: Plan, topology: Topology, found: list | None = None,
-           terms: list | None = None) -> Verification:
+           terms: list | None = None, texts: list | None = None) -> Verification:
     """Compile the plan's train step for the topology; 'fits' when XLA's peak is within HBM. The
     verdict carries the step time estimated from the compiled program; `terms` (a list) receives
-    the program's cost terms."""
+    the program's cost terms, `texts` its HLO text."""
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         found = devices(topology) if found is None else found
@@ -103,7 +106,7 @@ def verify(spec: ModelSpec, plan: Plan, topology: Topology, found: list | None =
     if stats is None:
         return Verification(status="unavailable", reason="XLA gives no memory analysis for this platform",
                             compile_seconds=seconds)
-    estimate, program = program_estimate(spec, plan, topology, compiled, mesh)
+    estimate, program = program_estimate(spec, plan, topology, compiled, mesh, texts)
     if terms is not None:
         terms.append(program)
     state = _shard_bytes(abstract_state, shardings)
@@ -123,7 +126,8 @@ def verify(spec: ModelSpec, plan: Plan, topology: Topology, found: list | None =
     return Verification(status="fits", memory=memory, compile_seconds=seconds, time=estimate)
 
 
-def estimate_on_stand_in(spec: ModelSpec, plan: Plan, topology: Topology, stand_in: Topology):
+def estimate_on_stand_in(spec: ModelSpec, plan: Plan, topology: Topology, stand_in: Topology,
+                         texts: list | None = None):
     """(step time, cost terms) of the plan on `topology`, read from its train step compiled for
     `stand_in`, a topology of as many devices with more HBM: for a setting XLA refuses on the
     real chip for memory, the program's kernels and collectives are still what they would be
@@ -134,4 +138,4 @@ def estimate_on_stand_in(spec: ModelSpec, plan: Plan, topology: Topology, stand_
     mesh = plan_mesh(plan, stand_in)
     lowered, _, _ = lower_train_step(spec, plan, mesh)
     compiled = lowered.compile(compiler_options=compiler_options(spec, mesh.devices.flat[0].platform) or None)
-    return program_estimate(spec, plan, topology, compiled, plan_mesh(plan, topology))
+    return program_estimate(spec, plan, topology, compiled, plan_mesh(plan, topology), texts)
