@@ -155,7 +155,8 @@ def _tpu_child(mode: str) -> dict:
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     rows = named_sharding(("batch", "seq"), mesh, rules)
     batch = {name: jax.ShapeDtypeStruct((2, seq), dtype, sharding=rows)
-             for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("mask", jnp.float32))}
+             for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("mask", jnp.float32),
+                                 ("segment_ids", jnp.int32), ("positions", jnp.int32))}
     with use_rules(mesh, rules):
         step = make_train_step(spec, config, attention_impl="splash", remat="full")
         compiled = jax.jit(step, out_shardings=(shardings, None)).lower(state, batch).compile()

@@ -88,6 +88,9 @@ def main(artifact: str, recompile_copy: str) -> None:
     sequences = rng.integers(0, 512, (8, 33))
     mask = (rng.random((8, 32)) < 0.9).astype(np.float32)
     batch = {"inputs": sequences[:, :-1], "targets": sequences[:, 1:], "mask": mask}
+    # Packed documents, ended by a token the rows hold, so both programs mask attention between them.
+    from mxc.runtime.data import document_layout
+    batch["segment_ids"], batch["positions"] = document_layout(batch["inputs"], int(sequences[0, 10]))
     prompt = sequences[:, :16]
 
     native = run(program, batch, prompt)
