@@ -35,13 +35,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from runtime_common import MXC, cpu_env, machine, run  # noqa: E402
 
+from mxc.compiler.commands.eval_accuracy import TABLE_HEADER, table_row  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO / "data" / "text" / "pride_and_prejudice_ch1-6.txt"
 CONFIGS = ("fp32", "bf16", "int8", "w8a8", "int4-mlp", "int4", "fp8", "int8-kv")
 PROMPT_LEN, CACHE_LEN = 512, 1024
 SPEED_PROMPT, SPEED_NEW = 128, 200
-HEADER = ("| Model | Device | Precision | Top-1 (%) | Top-5 (%) | Speed (t/s/u) | TTFT (ms) |\n"
-          "| --- | --- | --- | --- | --- | --- | --- |")
 
 
 def gguf_file() -> Path:
@@ -152,14 +152,13 @@ def llama_cpp_speed(prompt: list[int]) -> dict:
 
 
 def table(rows: list[dict], others: list[dict]) -> str:
-    lines = [HEADER]
+    lines = [TABLE_HEADER]
     for row in rows:
         if "missing" in row:
             lines.append(f"| SmolLM2-135M-Instruct | | {row['config']} | missing: {row['missing']} | | | |")
-            continue
-        lines.append(f"| SmolLM2-135M-Instruct | {row['device']} | {row['config']}: {row['precision']} | "
-                     f"{row['top1']:.1f} | {row['top5']:.1f} | {row['tokens_per_second_per_user']:.1f} | "
-                     f"{row['ttft_ms']:.0f} |")
+        else:
+            lines.append(table_row(dict(row, model="SmolLM2-135M-Instruct",
+                                        precision=f"{row['config']}: {row['precision']}")))
     for other in others:
         if "missing" in other:
             lines.append(f"| SmolLM2-135M-Instruct | | {other['engine']} | missing: {other['missing']} | | | |")

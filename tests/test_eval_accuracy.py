@@ -160,3 +160,12 @@ def test_an_int8_artifact_scores_below_100_but_high(models, float32_run, tmp_pat
     result = json.loads(done.stdout)
     assert result["precision"] == "int8 (fp32 compute)"
     assert 80.0 <= result["top1"] < 100.0 and result["top5"] >= 95.0
+
+
+def test_the_markdown_row_has_the_columns_of_the_header():
+    from mxc.compiler.commands.eval_accuracy import TABLE_HEADER, table_row
+
+    row = table_row({"model": "m", "device": "CPU (2 cores)", "precision": "int8 (fp32 compute)", "top1": 97.561,
+                     "top5": 100.0, "tokens_per_second_per_user": 31.25, "ttft_ms": 338.4})
+    assert row == "| m | CPU (2 cores) | int8 (fp32 compute) | 97.6 | 100.0 | 31.2 | 338 |"
+    assert row.count("|") == TABLE_HEADER.splitlines()[0].count("|")

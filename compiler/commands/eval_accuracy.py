@@ -29,8 +29,8 @@ def register(subparsers) -> None:
                     "predictions). Top-1: MODEL's argmax equals the reference's first; top-5: it is among "
                     "the reference's five. Then greedy generation at batch 1 after the text's first 128 "
                     "tokens (at most 200 decode steps, after one warm-up request) gives tokens/s per user and "
-                    "the time to first token. Prints one markdown row of the serving table (--json: an "
-                    "object).\n\n"
+                    "the time to first token. Prints the serving table's header and this row in markdown "
+                    "(--json: an object).\n\n"
                     "MODEL is a spec or import-hf directory (its serving functions are jitted here, in "
                     "--dtype) or an ARTIFACT of `mxc compile --serve` with --params CKPT.\n"
                     "The reference: --reference REF.npz (written by --save-reference), or a directory of a "
@@ -106,6 +106,7 @@ def handler(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
+    print(TABLE_HEADER)
     print(table_row(result))
     if args.segments:
         for segment in result["segments"]:
