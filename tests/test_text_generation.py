@@ -182,6 +182,50 @@ def test_generate_flag_mistakes(tiny_dir, flags, message, capsys):
     assert code in (1, 2) and message in capsys.readouterr().err
 
 
+def test_text_flags_are_handed_to_the_runtime_for_an_artifact(tmp_path, monkeypatch):
+    from mxc.compiler.cli import build_parser as mxc_parser
+    from mxc.compiler.commands import generate
+    from mxc.runtime.cli import build_parser as runtime_parser
+
+    artifact = tmp_path / "art"
+    artifact.mkdir()
+    (artifact / "manifest.json").write_text("{}")
+    flags = ["--params", "ckpt", "--prompt", "Hi there", "--chat", "--tokenizer", "tok", "--max-new", "3"]
+    handed = []
+    monkeypatch.setattr("mxc.compiler.commands.run.hand_over", lambda command, arguments: handed.append(arguments))
+    generate.handler(mxc_parser().parse_args(["generate", str(artifact), *flags]))
+    forwarded = vars(runtime_parser().parse_args(["generate", *handed[0]]))
+    assert forwarded == vars(runtime_parser().parse_args(["generate", str(artifact), *flags]))
+    assert (forwarded["prompt"], forwarded["chat"], forwarded["tokenizer"]) == ("Hi there", True, "tok")
+
+
+@pytest.mark.slow
+def test_an_artifact_generates_the_same_text_with_the_tokenizer(tiny_dir, tmp_path):
+    """`mxc generate ARTIFACT --tokenizer DIR --prompt` prints what the model directory prints."""
+    import subprocess
+    import sys
+
+    from artifact_builds import clean_env
+
+    mxc = str(Path(sys.executable).with_name("mxc"))
+    env = clean_env(tmp_path, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    compiled = subprocess.run([mxc, "compile", str(tiny_dir / "model.mspec"), "-t", "local", "--serve",
+                               "--serve-batch", "1", "--prompt-len", "8", "--cache-len", "32",
+                               "--functions", "prefill,decode", "-o", str(tmp_path / "art")],
+                              env=env, capture_output=True, text=True, timeout=900)
+    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    runs = [[mxc, "generate", str(tmp_path / "art"), "--params", str(tiny_dir / "params"), "--tokenizer",
+             str(tiny_dir)], [mxc, "generate", str(tiny_dir)]]
+    outputs = []
+    for command in runs:
+        done = subprocess.run([*command, "--chat", "--prompt", "hi", "--max-new", "6"], env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs.append(done.stdout)
+    assert outputs[0] == outputs[1] and outputs[0].endswith("\n")
+
+
 def test_text_prompt_needs_a_tokenizer(tmp_path, capsys):
     assert main(["generate", "llama3-tiny", "--params", str(tmp_path), "--prompt", "hi", "--max-new", "2"]) == 1
     err = capsys.readouterr().err.strip()
