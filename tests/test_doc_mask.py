@@ -239,3 +239,36 @@ def test_splash_honours_segment_ids_like_the_xla_path(case):
                        kv_positions=alone_positions, **options)
         np.testing.assert_allclose(kernel[:1, part], alone, atol=2e-5, rtol=1e-5)
         start += n
+
+
+# ------------------------------------------------------------------ mxc run, end to end
+
+@pytest.mark.slow
+def test_mxc_run_masks_documents_unless_told_not_to(tmp_path):
+    """The first step's loss of `mxc run` on a compiled artifact is the runtime's eval of the
+    same parameters on the batch with segment ids and positions per document; with --no-doc-mask,
+    on the batch of one segment per row; and the two differ."""
+    import subprocess
+
+    from artifact_builds import child_report
+    from runtime_support import MXC, compile_tiny, corpus_files, cpu_env, read_metrics, run_command
+
+    artifact = compile_tiny(tmp_path / "artifact")
+    tokens = tmp_path / "tokens.bin"
+    done = subprocess.run([MXC, "tokenize", *corpus_files(), "--split", "paragraph", "-o", str(tokens)],
+                          env=cpu_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    losses = {}
+    for name, extra in (("doc_mask", []), ("no_doc_mask", ["--no-doc-mask"])):
+        metrics = tmp_path / f"{name}.jsonl"
+        done = subprocess.run(run_command(artifact, tokens, tmp_path / f"{name}_ckpt", steps=1, metrics=metrics,
+                                          extra=["--quiet", *extra]),
+                              env=cpu_env(), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        (record,) = read_metrics(metrics)
+        losses[name] = record["loss"]
+    reference = child_report("doc_mask_first_batch", str(artifact), str(tokens), "0", env=cpu_env(8))
+    assert reference["segments"] > 1  # the first batch does pack several documents into a row
+    for name in ("doc_mask", "no_doc_mask"):
+        np.testing.assert_allclose(losses[name], reference[name], rtol=1e-5, err_msg=name)
+    assert abs(losses["doc_mask"] - losses["no_doc_mask"]) > 1e-4
