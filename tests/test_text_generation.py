@@ -121,18 +121,20 @@ def test_chat_template_renders_as_transformers(tiny_dir):
     assert ids == list(expected) and ids[0] == 257  # <|im_start|> stays one token
 
 
-def test_sentencepiece_vocabulary_tokenizes_as_transformers(tmp_path):
-    """A `llama` (sentencepiece-style) vocabulary with scores and no merges: the ids of
-    transformers' GGUF tokenizer for the same file."""
+@pytest.mark.parametrize("architecture", ["llama", "gemma2"])
+def test_sentencepiece_vocabulary_tokenizes_as_transformers(architecture, tmp_path):
+    """A `llama` (sentencepiece-style) vocabulary with scores and no merges, in a llama and in a
+    Gemma file (read differently): the ids of transformers' GGUF tokenizer for the same file."""
     import gguf
     from transformers import AutoTokenizer
 
     from mxc.compiler.gguf.file import read_gguf
     from mxc.compiler.gguf.tokenizer import build_tokenizer
 
-    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "llo", "▁he", "▁hello", "▁w", "or", "▁world"]
+    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "llo", "▁he", "▁hello", "▁w", "or", "▁world",
+              "  ", "▁▁▁"]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
-    writer = gguf.GGUFWriter(str(tmp_path / "sp.gguf"), "llama")
+    writer = gguf.GGUFWriter(str(tmp_path / "sp.gguf"), architecture)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores([0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))][::-1])
@@ -147,7 +149,7 @@ def test_sentencepiece_vocabulary_tokenizes_as_transformers(tmp_path):
     writer.close()
     mine = build_tokenizer(read_gguf(tmp_path / "sp.gguf"))
     theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file="sp.gguf")
-    for text in ["hello world", " hello  world", "hewlord", "héllo\nworld"]:
+    for text in ["hello world", " hello  world", "hewlord", "héllo\nworld", "a   b"]:
         assert mine.encode(text).ids == theirs(text).input_ids, text
         assert mine.decode(mine.encode(text).ids, skip_special_tokens=True) == theirs.decode(
             theirs(text).input_ids, skip_special_tokens=True)

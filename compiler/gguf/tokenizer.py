@@ -6,7 +6,8 @@ GGUF stores the vocabulary, merges, token types and special ids under llama.cpp'
 - `gpt2`: byte-level BPE. Text is split by the pre-tokenizer regex llama.cpp uses for the
   file's `tokenizer.ggml.pre` (SPLITS), then mapped to the byte alphabet of GPT-2.
 - `llama`: sentencepiece-style BPE with byte fallback and a `▁` word prefix; merges are taken
-  from the file, or derived from the scores when it has none (as transformers does).
+  from the file, or derived from the scores when it has none (as transformers does). Gemma's
+  files are read as transformers' GemmaTokenizer reads them (no word prefix; merges in file order).
 Control tokens (type 3) become special added tokens, user-defined ones (type 4) plain added
 tokens, so both stay whole in text.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 from mxc.compiler.gguf.file import GGUFError, GGUFFile
 from mxc.runtime.text_generation import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 CONTROL, USER_DEFINED = 3, 4
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -78,6 +80,9 @@ def build_tokenizer(gguf: GGUFFile):
         tokenizer.pre_tokenizer = _byte_level_split(gguf)
         tokenizer.decoder = decoders.ByteLevel()
         special_ok = lambda token: set(token) <= alphabet  # noqa: E731 -- a mislabelled control token is skipped
+    elif kind == "llama" and gguf.architecture in GEMMA_ARCHITECTURES:
+        tokenizer = _gemma_tokenizer(gguf, tokens)
+        special_ok = lambda token: True  # noqa: E731
     elif kind == "llama":
         vocab = {t: i for i, t in enumerate(tokens)}
         merges = ([tuple(m.split(" ", 1)) for m in _field(gguf, "merges")] if _field(gguf, "merges")
@@ -104,6 +109,27 @@ def build_tokenizer(gguf: GGUFFile):
     processor = _post_processor(gguf, tokens, processors)
     if processor is not None:
         tokenizer.post_processor = processor
+    return tokenizer
+
+
+def _gemma_tokenizer(gguf: GGUFFile, tokens: list[str]):
+    """Gemma's sentencepiece vocabulary (as transformers' GemmaTokenizer and GGUF loader build it):
+    spaces become `▁` with no word prefix added; a token of only spaces is stored with real spaces
+    and respelled; merges, when the file has none, follow the tokens' order in the file (Gemma's
+    scores do not follow its merge order)."""
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = ([tuple(m.split(" ", 1)) for m in _field(gguf, "merges")] if _field(gguf, "merges")
+              else _merges_from_scores(tokens, [-float(i) for i in range(len(tokens))]))
+    unk = _field(gguf, "unknown_token_id")
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None,
+                              unk_token=tokens[unk] if unk is not None else None))
+    tokenizer.normalizer = normalizers.Replace(" ", "▁")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     return tokenizer
 
 
