@@ -123,6 +123,28 @@ def compile_rows(args) -> int:
     return 0
 
 
+def reread_rows(args) -> int:
+    """Recompute the saved rows' terms from their kept HLO (after a change to the reader)."""
+    from mxc.compiler.plan.calibration import published_rows
+    from mxc.compiler.plan.maxtext import plan_setting
+    from mxc.compiler.plan.verify import estimate_from_text, plan_mesh
+    from mxc.compiler.topology import parse
+    from mxc.spec.load import load_model
+
+    saved = json.loads(Path(args.terms).read_text())
+    for row in published_rows():
+        path = Path(args.reread) / f"{row['model']}_{row['topology']}x{row['slices']}.hlo"
+        if row["name"] not in saved or not path.exists():
+            continue
+        spec, topology = load_model(row["model"]), parse(row["topology"], row["slices"])
+        fixed = plan_setting(spec, topology, row["tuning_params"], seq=row["seq"], verify=False)
+        time, terms = estimate_from_text(spec, fixed, topology, path.read_text(), plan_mesh(fixed, topology))
+        saved[row["name"]]["terms"] = terms.to_json()
+        print(f"{row['name']}: MFU {time.mfu:.1%}, step {time.step_s:.2f} s (published {row['published_mfu']:.1%})")
+    Path(args.terms).write_text(json.dumps(saved, indent=1) + "\n")
+    return 0
+
+
 def fit_rows(args) -> int:
     from mxc.compiler.plan.calibration import FITTED, calibration_rows, leave_one_out
 
@@ -147,9 +169,12 @@ def main() -> int:
     parser.add_argument("--terms", default=str(DEFAULT_TERMS), metavar="FILE",
                         help="where the compiled programs' cost terms are kept (default: %(default)s)")
     parser.add_argument("--hlo", metavar="DIR", help="also keep each compiled program's HLO text here")
+    parser.add_argument("--reread", metavar="DIR", help="recompute the saved terms from the HLO kept in DIR")
     parser.add_argument("--skip-done", action="store_true", help="skip rows whose terms are saved already")
     parser.add_argument("--fit", action="store_true", help="fit the constants on the saved terms; compile nothing")
     args = parser.parse_args()
+    if args.reread:
+        return reread_rows(args)
     return fit_rows(args) if args.fit else compile_rows(args)
 
 

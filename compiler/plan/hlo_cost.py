@@ -219,6 +219,9 @@ def replica_groups(attributes: str, devices: int) -> list[list[int]]:
     pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", attributes)
     if pairs:
         return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)", pairs[1] + "}")]
+    over_mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attributes)
+    if over_mesh:
+        return _mesh_groups(over_mesh[1], over_mesh[2])
     iota = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attributes)
     if iota:
         shape = [int(d) for d in iota[1].split(",")]
@@ -233,6 +236,26 @@ def replica_groups(attributes: str, devices: int) -> list[list[int]]:
     if explicit and explicit[1]:
         return [[int(d) for d in group.split(",") if d] for group in re.findall(r"\{([0-9,]*)\}", explicit[1])]
     return [list(range(devices))]
+
+
+def _mesh_groups(axes_text: str, grouped_text: str) -> list[list[int]]:
+    """Groups written over the device mesh, `mesh['axis_0'=64,'axis_1'=4] {'axis_1'}`: devices
+    numbered row-major over the axes; a group varies the named axes, the others fixed."""
+    axes = [(name, int(size)) for name, size in re.findall(r"'([^']+)'=(\d+)", axes_text)]
+    grouped = set(re.findall(r"'([^']+)'", grouped_text))
+    names = [name for name, _ in axes]
+    sizes = [size for _, size in axes]
+    strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
+    inner = [i for i, name in enumerate(names) if name in grouped]
+    outer = [i for i, name in enumerate(names) if name not in grouped]
+
+    def positions(dims: list[int]) -> list[int]:
+        out = [0]
+        for i in dims:
+            out = [base + k * strides[i] for base in out for k in range(sizes[i])]
+        return out
+
+    return [[base + offset for offset in positions(inner)] for base in positions(outer)]
 
 
 def _transpose(ids: list[int], shape: list[int], perm: list[int]) -> list[int]:
@@ -391,18 +414,20 @@ def program_cost(text: str, devices: int) -> ProgramCost:
             _record_collective(cost, instruction, computation, asynchronous, count, devices)
             for role, callee in callees:
                 if role == "calls":
-                    collectives_inside(callee, asynchronous or _async_fusion(instruction), count, set())
+                    collectives_inside(callee, asynchronous or _async_fusion(instruction) or "async" in callee,
+                                       count, set())
             if opcode in _FREE:
                 continue
             flops = instruction_flops(instruction, computation) + sum(
                 flops_inside(callee) for role, callee in callees if role == "calls")
             operand_shapes = [s for o in instruction.operands for s in computation.shape_of(o)]
-            on_device = sum(s.bytes for s in operand_shapes + instruction.shapes if s.memory_space != HOST_MEMORY_SPACE)
-            on_host = sum(s.bytes for s in operand_shapes + instruction.shapes if s.memory_space == HOST_MEMORY_SPACE)
-            # A copy between HBM and host moves its device side over the host link (a slice
-            # written into, or read from, a stacked host buffer moves the slice, not the buffer).
-            host = min(on_device, on_host) if on_host else 0.0
-            moved = on_device - host
+            on_device = [s.bytes for s in operand_shapes + instruction.shapes if s.memory_space != HOST_MEMORY_SPACE]
+            touches_host = any(s.memory_space == HOST_MEMORY_SPACE for s in operand_shapes + instruction.shapes)
+            # A copy between HBM and host moves its device-side array over the host link once, at
+            # its start (a slice written into, or read from, a stacked host buffer moves the
+            # slice, not the buffer; an async start and its done name the array twice).
+            host = max(on_device, default=0.0) if touches_host and not opcode.endswith("-done") else 0.0
+            moved = sum(on_device) - host
             cost.flops += count * flops
             cost.hbm_bytes += count * moved
             cost.host_bytes += count * host

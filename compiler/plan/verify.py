@@ -60,14 +60,20 @@ def _first_line(err: Exception) -> str:
 def program_estimate(spec: ModelSpec, plan: Plan, topology: Topology, compiled, mesh, texts: list | None = None):
     """(step time, the program's cost terms) of a compiled train step: its HLO read by
     mxc.compiler.plan.hlo_cost, sized for the topology's chip (mxc.compiler.plan.cost)."""
+
+    text = compiled.as_text()
+    if texts is not None:
+        texts.append(text)
+    return estimate_from_text(spec, plan, topology, text, mesh)
+
+
+def estimate_from_text(spec: ModelSpec, plan: Plan, topology: Topology, text: str, mesh):
+    """(step time, cost terms) of a compiled train step's HLO text, its devices laid out as `mesh`."""
     from mxc.compiler.analysis import attention_flops_per_token, summarize
     from mxc.compiler.plan.cost import device_places, program_step_time, program_terms
     from mxc.compiler.plan.hlo_cost import program_cost
 
     devices = list(mesh.devices.flat)
-    text = compiled.as_text()
-    if texts is not None:
-        texts.append(text)
     program = program_cost(text, len(devices))
     tokens = plan.batch * plan.seq / len(devices)
     model_flops = summarize(spec, plan.seq).train_flops_per_token * tokens

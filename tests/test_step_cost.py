@@ -1,0 +1,162 @@
+"""The step-time model from compiled programs: the HLO reader (FLOPs, loops, collectives with
+their replica groups) against XLA's own cost analysis and programs whose collectives are known,
+the time model's terms by hand, and the calibration's leave-one-out numbers."""
+
+import os
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import functools
+
+import pytest
+
+from mxc.compiler.plan import hlo_cost
+from mxc.compiler.plan.calibration import FITTED, Constants, calibration_rows, fit, leave_one_out
+from mxc.compiler.plan.cost import ProgramTerms, bubble_fraction, program_step_time
+
+
+def test_replica_groups_in_every_form():
+    assert hlo_cost.replica_groups("replica_groups={{0,1},{2,3}}, x=1", 4) == [[0, 1], [2, 3]]
+    assert hlo_cost.replica_groups("replica_groups=[4,2]<=[8], use_global_device_ids=true", 8) == [
+        [0, 1], [2, 3], [4, 5], [6, 7]]
+    # iota 0..7 as [4,2], transposed: element [i][j] is 2j + i
+    assert hlo_cost.replica_groups("replica_groups=[2,4]<=[4,2]T(1,0), dimensions={2}", 8) == [
+        [0, 2, 4, 6], [1, 3, 5, 7]]
+    assert hlo_cost.replica_groups("replica_groups={}, to_apply=%add", 4) == [[0, 1, 2, 3]]
+    # over the device mesh: devices row-major over the axes, a group varies the named ones
+    assert hlo_cost.replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=3] {'axis_0'}, x", 6) == [
+        [0, 3], [1, 4], [2, 5]]
+    assert hlo_cost.replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=3] {'axis_1'}, x", 6) == [
+        [0, 1, 2], [3, 4, 5]]
+    assert hlo_cost.replica_groups("source_target_pairs={{0,1},{1,0}}, x", 2) == [[0, 1], [1, 0]]
+
+
+def test_bubble_fraction_of_a_pipeline():
+    assert bubble_fraction(1, 8) == 0.0
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+
+
+def test_step_time_terms_by_hand():
+    # Two kernels: one compute-bound (1e12 FLOPs, 1e9 bytes), one memory-bound (0 FLOPs, 2e9 bytes);
+    # 0.5 s of synchronous and 3 s of asynchronous collectives at full link bandwidth.
+    terms = ProgramTerms(ops=((1e12, 1e9, 2), (0.0, 2e9, 1)), exposed_collectives_s=0.5, async_collectives_s=3.0,
+                         host_s=0.0, by_kind={"all-reduce": 0.5, "all-gather": 3.0}, peak_flops=1e12,
+                         hbm_bandwidth=1e9, model_flops=1e12, tokens=1000, devices=4)
+    c = Constants(matmul=0.5, hbm=0.5, link=0.5, overlap=0.8)
+    time = program_step_time(terms, c)
+    assert time.compute_s == pytest.approx(2 * 1e12 / 0.5e12)  # 4 s
+    assert time.memory_s == pytest.approx(2e9 / 0.5e9)  # 4 s
+    # exposed: 0.5 / 0.5 = 1 s synchronous; 6 s asynchronous less 0.8 x 8 s busy: hidden entirely
+    assert time.exposed_communication_s == pytest.approx(1.0)
+    assert time.step_s == pytest.approx(9.0)
+    assert time.mfu == pytest.approx(1 / 9)
+    assert time.tokens_per_s_per_device == pytest.approx(1000 / 9)
+    assert time.source == "compiled program"
+    pipelined = program_step_time(ProgramTerms(**{**terms.__dict__, "stages": 2, "microbatches": 3}), c)
+    assert pipelined.bubble_fraction == pytest.approx(1 / 4)
+    assert pipelined.step_s == pytest.approx(9.0 / (1 - 1 / 4))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_on_v5e_8():
+    """A scanned program with known collectives, compiled for a v5e-8 slice (libtpu's
+    description, no TPU needed): per step, three iterations of x @ w then a psum over the 2
+    devices of axis 'a'; after the loop an all-gather over the 4 devices of axis 'b'."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from mxc.compiler.topology import devices, parse
+
+    found = devices(parse("v5e-8"))
+    mesh = Mesh(np.asarray(found).reshape(2, 4), ("a", "b"))
+
+    def body(x, w):
+        def step(carry, _):
+            return jax.lax.psum(carry @ w, "a"), None
+        out, _ = jax.lax.scan(step, x, None, length=3)
+        return jax.lax.all_gather(out, "b", axis=0, tiled=True)
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P("b", None), P(None, None)), out_specs=P(None, None),
+                           check_vma=False)
+    x = jax.ShapeDtypeStruct((4 * 256, 512), jnp.float32, sharding=NamedSharding(mesh, P("b", None)))
+    w = jax.ShapeDtypeStruct((512, 512), jnp.float32, sharding=NamedSharding(mesh, P(None, None)))
+    compiled = jax.jit(mapped).lower(x, w).compile()
+    return compiled, [d for d in mesh.devices.flat]
+
+
+def test_collectives_and_loops_of_a_compiled_tpu_program():
+    compiled, _ = _compiled_on_v5e_8()
+    cost = hlo_cost.program_cost(compiled.as_text(), 8)
+    # Every matmul counted once per iteration: 3 x (256 x 512 @ 512 x 512) per device.
+    assert cost.flops == pytest.approx(3 * 2 * 256 * 512 * 512, rel=0.01)
+    # XLA's cost analysis counts the loop body once.
+    xla = compiled.cost_analysis()
+    xla = xla[0] if isinstance(xla, list) else xla
+    assert xla["flops"] < 0.5 * cost.flops
+    reduces = [c for c in cost.collectives if c.kind == "all-reduce"]
+    assert sum(c.count for c in reduces) == 3
+    assert all(c.group_size == 2 and c.bytes == 256 * 512 * 4 for c in reduces)
+    # Groups pair the devices that differ in axis 'a': positions i and i + 4.
+    assert sorted(map(sorted, reduces[0].groups)) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    gathers = [c for c in cost.collectives if c.kind == "all-gather"]
+    assert sum(c.count for c in gathers) == 1
+    assert gathers[0].group_size == 4 and gathers[0].bytes == 4 * 256 * 512 * 4
+
+
+def test_flops_match_xla_cost_analysis_without_loops():
+    # With every loop counted once, the reader's FLOPs (dots and convolutions) are XLA's own to
+    # within the elementwise work XLA adds.
+    compiled, _ = _compiled_on_v5e_8()
+    xla = compiled.cost_analysis()
+    xla = xla[0] if isinstance(xla, list) else xla
+    computations, entry = hlo_cost.parse_module(compiled.as_text())
+    once = sum(hlo_cost.instruction_flops(i, c) for c in computations.values() for i in c.instructions)
+    assert once == pytest.approx(xla["flops"], rel=0.02)
+
+
+def test_collective_seconds_follow_the_links():
+    from mxc.compiler.plan.cost import collective_seconds, device_places
+    from mxc.compiler.topology import CHIPS
+
+    compiled, devices = _compiled_on_v5e_8()
+    places = device_places(devices)
+    chip = CHIPS["v5e"]
+    link = chip.ici_bandwidth / chip.ici_links / 2  # one link, one direction
+    # The first four devices of a v5e-8 (a 2x4 torus) are a 2x2 square: a ring spans both
+    # dimensions, both directions of each.
+    assert [c[:2] for _, c in places[:4]] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    gather = hlo_cost.Collective("all-gather", 4e6, ((0, 1, 2, 3),), True, 1)
+    assert collective_seconds(gather, places, chip) == pytest.approx(3 / 4 * 4e6 / (2 * 2 * link))
+    pair = hlo_cost.Collective("all-gather", 4e6, ((0, 1),), True, 1)
+    assert collective_seconds(pair, places, chip) == pytest.approx(1 / 2 * 4e6 / (2 * link))
+    reduce = hlo_cost.Collective("all-reduce", 4e6, ((0, 1, 2, 3),), False, 1)
+    assert collective_seconds(reduce, places, chip) == pytest.approx(2 * collective_seconds(gather, places, chip))
+
+
+def test_fit_recovers_constants_it_was_made_with():
+    # Rows made with known constants: the fit finds constants that reproduce them.
+    truth = Constants(matmul=0.55, hbm=0.7, link=0.6, overlap=0.85)
+    rows = []
+    for scale in (1.0, 3.0, 0.3, 10.0, 0.1):
+        terms = ProgramTerms(ops=((1e12, 1e9 * scale, 1), (0.0, 4e8 * scale, 3)), exposed_collectives_s=0.2 * scale,
+                             async_collectives_s=1.5 / scale, host_s=0.0, by_kind={}, peak_flops=1e12,
+                             hbm_bandwidth=1e9, model_flops=8e11, tokens=1, devices=1)
+        published = program_step_time(terms, truth).mfu
+        from mxc.compiler.plan.calibration import Row
+        from mxc.compiler.plan.cost import program_mfu
+        rows.append(Row(f"row {scale}", published, lambda c, t=terms: program_mfu(t, c)))
+    fitted = fit(rows)
+    for row in rows:
+        assert row.estimate(fitted) == pytest.approx(row.published_mfu, rel=0.01)
+
+
+def test_leave_one_out_on_the_published_rows_is_reproducible():
+    # The constants in mxc.compiler.plan.calibration are what fitting on the saved terms of the
+    # published rows gives (bench/plan_recipes.py --fit prints the same table, docs/plans.md shows it).
+    rows, _ = calibration_rows()
+    constants, table = leave_one_out(rows)
+    assert constants == FITTED
+    for validation in table:
+        assert abs(validation.in_sample_error) < 1.0 and abs(validation.left_out_error) < 1.0
