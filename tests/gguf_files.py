@@ -37,6 +37,10 @@ BASE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_att
 GEMMA = dict(hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
 MODELS = {
     "llama": TinyModel("llama", "LlamaConfig", dict(rope_theta=10_000.0), permuted=True),
+    # Llama 3.1's rope scaling, which llama.cpp stores as a rope_freqs tensor.
+    "llama3": TinyModel("llama", "LlamaConfig", dict(rope_parameters=dict(
+        rope_type="llama3", rope_theta=10_000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=8192)), permuted=True),
     "mistral": TinyModel("mistral", "MistralConfig", dict(rope_theta=10_000.0, sliding_window=None), permuted=True),
     "qwen2": TinyModel("qwen2", "Qwen2Config", dict(rope_theta=10_000.0)),
     "qwen3": TinyModel("qwen3", "Qwen3Config", dict(rope_theta=10_000.0)),
@@ -185,6 +189,8 @@ def write_gguf(path: Path, name: str, model, tensor_type: str = "F32", tokenizer
             writer.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
     if tokenizer_pre is not None:
         add_byte_tokenizer(writer, tokenizer_pre)
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, cfg.head_dim))
     for tensor_name, value in gguf_tensors(name, model).items():
         add_tensor(writer, tensor_name, value, tensor_type if value.ndim >= 2 else "F32")
     writer.write_header_to_file()
@@ -192,6 +198,24 @@ def write_gguf(path: Path, name: str, model, tensor_type: str = "F32", tokenizer
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors: one divisor per frequency."""
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high, old = rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            factors.append(1)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
 
 
 def add_tensor(writer, name: str, value: np.ndarray, tensor_type: str) -> None:

@@ -42,7 +42,7 @@ def test_tiny_gguf_imports_to_the_models_logits(name, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen2", "qwen3moe", "mistral", "qwen3", "gemma", "gemma3", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3moe", "mistral", "qwen3", "gemma", "gemma3", "mixtral", "llama3"])
 def test_tiny_gguf_imports_to_the_models_logits_more_families(name, tmp_path):
     test_tiny_gguf_imports_to_the_models_logits(name, tmp_path)
 
