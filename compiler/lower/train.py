@@ -1,10 +1,13 @@
 """The train and eval steps: pure functions of (state, batch), ready for jit and AOT compilation.
 
-A batch is a dict of three [batch, seq] arrays (`batch_from_sequences` builds one from token
+A batch is a dict of [batch, seq] arrays (`batch_from_sequences` builds one from token
 sequences one longer than the model's input):
     inputs   int32  the tokens the model reads
     targets  int32  the token expected at each position (inputs shifted left by one)
     mask     float32 or bool: 1 where the target counts toward the loss (0 for padding, prompts)
+and, for rows that pack several documents (runtime/data.py; the compiled steps take them):
+    segment_ids  int32  each token's document, so that attention stays inside it
+    positions    int32  each token's position in its document (RoPE's), restarting at 0
 
 A train step splits the batch into `microbatches` equal parts along the batch axis, accumulates
 gradients over them with lax.scan, and divides by the unmasked tokens of the whole batch, so
