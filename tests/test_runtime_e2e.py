@@ -19,8 +19,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np
 import pytest
 
-from runtime_support import (MXC, PROMPT_LEN, PYTHON, STEPS, compile_tiny, corpus_files, cpu_env, free_port,
-                             read_metrics, restore_on_one_device, run_command, tokenize, wait_for_step)
+from runtime_support import (MXC, OPTIMIZER, PROMPT_LEN, PYTHON, STEPS, compile_tiny, corpus_files, cpu_env,
+                             free_port, read_metrics, restore_on_one_device, run_command, tokenize, wait_for_step)
 
 FORBIDDEN_PREFIXES = ("mxc.spec", "mxc.compiler", "lark")
 
@@ -227,7 +227,9 @@ def _two_process_run(artifact, tokens, workdir, name, steps):
     for process_id in range(2):
         command = [PYTHON, "-m", "mxc.runtime", "run", str(artifact), "--data", str(tokens), "--steps", str(steps),
                    "--ckpt-dir", str(workdir / f"{name}_ckpt"), "--metrics", str(workdir / f"{name}_{process_id}.jsonl"),
-                   "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process_id)]
+                   "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process_id),
+                   # The reference run's schedule (its defaults follow --steps).
+                   "--warmup-steps", str(OPTIMIZER["warmup_steps"]), "--decay-steps", str(STEPS)]
         processes.append(subprocess.Popen(command, env=cpu_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                           text=True))
     return processes
