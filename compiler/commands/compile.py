@@ -28,10 +28,11 @@ def register(subparsers) -> None:
     add_planning_arguments(parser)
     parser.add_argument("--plan", metavar="PLAN.json", help="a plan to follow (from mxc plan -o) instead of planning")
     parser.add_argument("--learning-rate", type=float, metavar="LR",
-                        help="peak learning rate of the compiled train step (default 3e-4)")
-    parser.add_argument("--warmup-steps", type=int, metavar="N", help="linear warmup (default: a tenth of the total)")
+                        help="the peak learning rate mxc run defaults to with this artifact (3e-4)")
+    parser.add_argument("--warmup-steps", type=int, metavar="N",
+                        help="mxc run's default warmup (a tenth of the total; a run takes at most a tenth of its --steps)")
     parser.add_argument("--total-steps", type=int, metavar="N",
-                        help="steps of the cosine decay to its floor (default 10000)")
+                        help="the schedule's length these defaults describe (10000; mxc run decays over its --steps)")
     parser.add_argument("--weight-decay", type=float, metavar="W", help="AdamW weight decay (default 0.1)")
     parser.add_argument("--serve", action="store_true", help="also compile prefill and decode")
     parser.add_argument("--serve-batch", type=int, metavar="B",
