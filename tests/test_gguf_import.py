@@ -42,9 +42,22 @@ def test_tiny_gguf_imports_to_the_models_logits(name, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen2", "qwen3moe", "mistral", "qwen3", "gemma", "gemma3", "mixtral", "llama3"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3moe", "mistral", "qwen3", "gemma", "gemma3", "mixtral"])
 def test_tiny_gguf_imports_to_the_models_logits_more_families(name, tmp_path):
     test_tiny_gguf_imports_to_the_models_logits(name, tmp_path)
+
+
+@pytest.mark.slow
+def test_llama3_rope_scaling_stored_as_rope_freqs(tmp_path):
+    """Llama 3.1's scaling changes only the slow frequencies: the whole context is needed to see it."""
+    from gguf_files import MAX_POS
+
+    model = hf_model("llama3")
+    path = write_gguf(tmp_path / "m.gguf", "llama3", model)
+    assert main(["import-gguf", str(path), "-o", str(tmp_path / "out")]) == 0
+    assert "scaling = llama3(factor = 8.0" in (tmp_path / "out" / "model.mspec").read_text()
+    tokens = np.random.default_rng(5).integers(0, VOCAB, (1, MAX_POS))
+    assert relative_error(mxc_logits(tmp_path / "out", tokens, tmp_path), hf_logits(model, tokens)) < TOLERANCE
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2"])
