@@ -12,7 +12,8 @@ update at step s, counted from 0, is peak·s/warmup_steps there):
 
 `decay_steps` counts from step 0, warmup included (as optax's warmup_cosine_decay_schedule and
 MaxText's `learning_rate_schedule_steps` do); past it the rate stays at the floor,
-peak·min_ratio. Plain Python: the runtime needs no compiler, and nothing here is traced.
+peak·min_ratio. Plain Python (numpy only for the float32 it hands the train step): the runtime
+needs no compiler, and nothing here is traced.
 
 A run's schedule is stored in each checkpoint's meta (`to_json`) so a resumed run continues it;
 flags given on the resuming command line replace the stored values they name.
@@ -23,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 KINDS = ("cosine", "linear", "constant", "wsd")
 
@@ -89,8 +92,6 @@ class Schedule:
 
     def inputs(self, step: int) -> dict:
         """The train step's `schedule` argument for the update at `step`."""
-        import numpy as np
-
         return {"learning_rate": np.float32(self.rate(step))}
 
     def describe(self) -> str:
@@ -139,9 +140,19 @@ class ScheduleRequest:
         optimizer = self.artifact_optimizer
         artifact = optimizer.get("warmup_steps")
         if artifact is None:
-            artifact = int(optimizer.get("total_steps", 0) * DEFAULT_WARMUP_FRACTION) if "total_steps" in optimizer \
-                else self.steps
+            artifact = int(optimizer.get("total_steps", self.steps) * DEFAULT_WARMUP_FRACTION)
         return min(int(artifact), int(self.steps * DEFAULT_WARMUP_FRACTION))
+
+    def _checked(self, schedule: Schedule) -> Schedule:
+        """`schedule`, once every flag given applies to its kind (none is silently ignored)."""
+        given = self._given()
+        if "decay_fraction" in given and schedule.kind != "wsd":
+            raise ScheduleError(f"--decay-fraction applies to --schedule wsd only, not {schedule.kind}")
+        if schedule.kind == "constant":
+            for name, flag in (("decay_steps", "--decay-steps"), ("min_ratio", "--min-lr-ratio")):
+                if name in given:
+                    raise ScheduleError(f"{flag} does not apply to --schedule constant (the rate stays at the peak)")
+        return schedule
 
     def fresh(self) -> Schedule:
         """The schedule of a run that starts at step 0."""
@@ -152,7 +163,7 @@ class ScheduleRequest:
                     "warmup_steps": warmup, "decay_steps": max(self.steps, warmup, 1),
                     "min_ratio": float(optimizer.get("min_lr_ratio", DEFAULT_MIN_RATIO)),
                     "decay_fraction": DEFAULT_DECAY_FRACTION}
-        return Schedule(**{**settings, **given})
+        return self._checked(Schedule(**{**settings, **given}))
 
     def resumed(self, stored: dict | None) -> tuple[Schedule, list[str]]:
         """The schedule of a run resumed from a checkpoint that stored `stored` (None: it stored
@@ -160,5 +171,5 @@ class ScheduleRequest:
         if not stored:
             return self.fresh(), []
         before = Schedule.from_json(stored)
-        after = dataclasses.replace(before, **self._given())
+        after = self._checked(dataclasses.replace(before, **self._given()))
         return after, after.changes_from(before)

@@ -76,6 +76,19 @@ def test_a_resume_keeps_the_stored_schedule_and_names_what_flags_change():
     assert changes == ["peak 0.003 -> 0.001", "decay_steps 60 -> 100"]
 
 
+@pytest.mark.parametrize("flags, message", [
+    ({"decay_fraction": 0.2}, "--decay-fraction applies to --schedule wsd only, not cosine"),
+    ({"kind": "constant", "decay_steps": 50}, "--decay-steps does not apply to --schedule constant"),
+    ({"kind": "constant", "min_ratio": 0.0}, "--min-lr-ratio does not apply to --schedule constant"),
+])
+def test_flags_that_do_not_apply_to_the_schedule_are_refused(flags, message):
+    request = ScheduleRequest(steps=60, artifact_optimizer=ARTIFACT, **flags)
+    with pytest.raises(ScheduleError, match=message):
+        request.fresh()
+    with pytest.raises(ScheduleError, match=message):
+        request.resumed(Schedule("cosine", 1e-3, 5, 60).to_json())
+
+
 @pytest.mark.parametrize("settings, flag", [
     ({"kind": "step"}, "--schedule"),
     ({"peak": 0.0}, "--learning-rate"),
