@@ -148,8 +148,10 @@ def test_fit_recovers_constants_it_was_made_with():
         from mxc.compiler.plan.cost import program_mfu
         rows.append(Row(f"row {scale}", published, lambda c, t=terms: program_mfu(t, c)))
     fitted = fit(rows)
-    for row in rows:
-        assert row.estimate(fitted) == pytest.approx(row.published_mfu, rel=0.01)
+    for row in rows:  # within the weak pull towards the starting point
+        assert row.estimate(fitted) == pytest.approx(row.published_mfu, rel=0.03)
+    far = Constants(matmul=0.95, hbm=0.35, link=0.15, overlap=0.1)
+    assert sum(abs(r.estimate(far) / r.published_mfu - 1) for r in rows) > 0.5  # the rows can tell
 
 
 def test_leave_one_out_on_the_published_rows_is_reproducible():
