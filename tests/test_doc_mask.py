@@ -272,3 +272,15 @@ def test_mxc_run_masks_documents_unless_told_not_to(tmp_path):
     for name in ("doc_mask", "no_doc_mask"):
         np.testing.assert_allclose(losses[name], reference[name], rtol=1e-5, err_msg=name)
     assert abs(losses["doc_mask"] - losses["no_doc_mask"]) > 1e-4
+
+
+@pytest.mark.slow
+def test_sharded_splash_honours_segment_ids():
+    """The kernel inside shard_map (batch and heads split over 4 devices) takes each shard's rows'
+    segment ids: the same result as the unsharded XLA path."""
+    from artifact_builds import child_report
+
+    report = child_report("splash_sharded_segments", JAX_PLATFORMS="cpu",
+                          XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    assert report["devices"] == 4
+    assert report["window_sinks"] < 2e-5 and report["chunked"] < 2e-5
