@@ -40,9 +40,9 @@ def load_params(path: str | Path, target=None):
 
     if quantize_at_load.needs_quantizing(saved, target):
         floats = quantize_at_load.float_target(saved, target)
-        _check_matches(saved, floats)
+        _check_matches(saved, floats, path)
         return quantize_at_load.quantized_like(checkpointer.restore(path, jax.tree.map(_abstract, floats)), target)
-    _check_matches(saved, target)
+    _check_matches(saved, target, path)
     return checkpointer.restore(path, jax.tree.map(_abstract, target))
 
 
@@ -52,9 +52,12 @@ def _abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
 
-def _check_matches(saved, target) -> None:
-    """Name the first parameter whose path, shape or dtype differs (orbax's own error is terse)."""
+def _check_matches(saved, target, path) -> None:
+    """Name the first parameter whose path, shape or dtype differs (orbax's own error is terse):
+    a CheckpointError (a ValueError), which the command lines report as the user's error."""
     import jax
+
+    from mxc.runtime.checkpoint import CheckpointError
 
     saved_leaves = dict(jax.tree_util.tree_flatten_with_path(saved)[0])
     target_leaves = dict(jax.tree_util.tree_flatten_with_path(target)[0])
@@ -63,9 +66,9 @@ def _check_matches(saved, target) -> None:
     extra = [name(p) for p in saved_leaves if p not in target_leaves]
     if missing or extra:
         problems = ([f"missing {missing[:3]}"] if missing else []) + ([f"unexpected {extra[:3]}"] if extra else [])
-        raise ValueError("checkpoint and model disagree on parameters: " + ", ".join(problems))
+        raise CheckpointError(f"{path}: checkpoint and model disagree on parameters: " + ", ".join(problems))
     for p, want in target_leaves.items():
         have = saved_leaves[p]
         if tuple(have.shape) != tuple(want.shape) or str(have.dtype) != str(want.dtype):
-            raise ValueError(f"parameter {name(p)}: checkpoint has {have.dtype}{list(have.shape)}, "
-                             f"model wants {want.dtype}{list(want.shape)}")
+            raise CheckpointError(f"{path}: parameter {name(p)}: checkpoint has {have.dtype}{list(have.shape)}, "
+                                  f"model wants {want.dtype}{list(want.shape)}")

@@ -228,6 +228,7 @@ def handler(args: argparse.Namespace) -> int:
     except TopologyError as err:
         raise UserError(str(err)) from None
     _prepare_process(topology)
+    quantization = quantization_name(args.quantize)  # a misspelt name fails before anything is loaded
     if args.sign:  # a bad key must fail before minutes of compiling, not after
         _check_signing_key(args.sign)
 
@@ -242,7 +243,7 @@ def handler(args: argparse.Namespace) -> int:
     stages = Stages(view.start, view.end)
     with stages.stage("load model"):
         spec = load_one(args.model, args.overrides)
-    spec = with_quantization(spec, args.quantize)
+    spec = with_quantization(spec, quantization)
     suffix = f"x{topology.slices}" if topology.slices > 1 else ""
     output = args.output or os.path.join("build", f"{spec.name}-{topology.name}{suffix}")
     try:
@@ -281,17 +282,21 @@ def handler(args: argparse.Namespace) -> int:
     return 0
 
 
-def with_quantization(spec, name: str | None):
-    """The spec with --quantize's configuration (recorded in the manifest's spec), else as it is."""
+def quantization_name(name: str | None) -> str | None:
+    """--quantize's configuration, by its canonical name."""
     if name is None:
-        return spec
+        return None
     from mxc.compiler.quant.config import QuantizationError, parse
 
     try:
-        config = parse(name)
+        return parse(name).name
     except QuantizationError as err:
         raise UserError(f"--quantize: {err}") from None
-    return spec.model_copy(update={"quantize": config.name})
+
+
+def with_quantization(spec, name: str | None):
+    """The spec with --quantize's configuration (recorded in the manifest's spec), else as it is."""
+    return spec if name is None else spec.model_copy(update={"quantize": name})
 
 
 def _devices(topology) -> list:
