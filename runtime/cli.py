@@ -260,6 +260,7 @@ def run_command(args) -> int:
     setup = _start_processes(args)
     import jax
 
+    from mxc.runtime.artifact_reader import read_manifest
     from mxc.runtime.checkpoint import Checkpoints
     from mxc.runtime.loop import LoopConfig, StopSignal, TrainingRun
     from mxc.runtime.profiling import ProfileWindow
@@ -273,13 +274,13 @@ def run_command(args) -> int:
         if directory is None:
             raise CommandError("--profile-steps needs a directory for its trace: --profile-dir DIR or --tensorboard DIR")
         profile = ProfileWindow.parse(args.profile_steps, directory)
+    schedule = ScheduleRequest(
+        steps=args.steps, artifact_optimizer=read_manifest(args.artifact).run.get("optimizer") or {},
+        kind=args.schedule, peak=args.learning_rate, warmup_steps=args.warmup_steps, decay_steps=args.decay_steps,
+        min_ratio=args.min_lr_ratio, decay_fraction=args.decay_fraction)
+    schedule.fresh()  # flags that describe no schedule fail here, before the artifact loads
     program = _load(args)
     trainable = from_program(program)
-    schedule = ScheduleRequest(
-        steps=args.steps, artifact_optimizer=program.manifest.run.get("optimizer") or {}, kind=args.schedule,
-        peak=args.learning_rate, warmup_steps=args.warmup_steps, decay_steps=args.decay_steps,
-        min_ratio=args.min_lr_ratio, decay_fraction=args.decay_fraction)
-    schedule.fresh()  # flags that describe no schedule fail here, before any checkpoint is touched
     data = open_tokens(args.data, eod_id=args.eod_id)
     eval_data = None if args.eval_data is None else open_tokens(args.eval_data, eod_id=args.eod_id)
     primary = jax.process_index() == 0

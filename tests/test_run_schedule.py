@@ -193,33 +193,59 @@ def test_flags_on_resume_change_the_schedule_with_a_notice(tmp_path, tokens, cap
 
 # ------------------------------------------------------------------ artifacts from before
 
-def test_an_artifact_whose_train_step_baked_in_its_schedule_is_refused_with_recompile(tmp_path):
-    """Format 3 train steps took (state, batch) and scheduled themselves: `mxc run` refuses them
-    in one line that says to recompile, before loading anything."""
-    import subprocess
-
-    from runtime_support import MXC, cpu_env
-
+def _stand_in_artifact(directory, format_version=None):
+    """An artifact directory whose manifest checks (no functions): enough for `mxc run` to read
+    its format and topology and to refuse what comes before loading executables."""
     from mxc.compiler.artifact_writer import write_artifact
     from mxc.runtime.artifact import FORMAT_VERSION, Manifest, manifest_digest
 
     manifest = Manifest.model_validate({
         "format_version": FORMAT_VERSION, "model": "llama3-tiny", "spec": {}, "spec_hash": "0" * 64,
-        "plan": {}, "run": {}, "functions": {}, "files": {},
+        "plan": {}, "run": {"optimizer": ARTIFACT}, "functions": {}, "files": {},
         "topology": {"name": "cpu-8", "platform": "cpu", "chip": "cpu", "device_kind": "cpu", "chips": 8,
                      "devices": 8, "hbm_bytes": 0, "shape": [8], "mesh": {"fsdp": 8}, "device_ids": list(range(8))},
         "versions": {"jax": "0", "jaxlib": "0", "libtpu": None, "mxc": "0"}})
-    old = tmp_path / "old"
-    write_artifact(old, manifest, {"train_step.executable": b"x"})
-    data = json.loads((old / "manifest.json").read_text())
-    data["format_version"] = 3
-    data["manifest_sha256"] = manifest_digest(data)
-    (old / "manifest.json").write_text(json.dumps(data))
-    done = subprocess.run([MXC, "run", str(old), "--data", str(tmp_path / "tokens.bin"), "--steps", "1",
-                           "--ckpt-dir", str(tmp_path / "ckpt")], env=cpu_env(), capture_output=True, text=True,
-                          timeout=120)
+    write_artifact(directory, manifest, {"train_step.executable": b"x"})
+    if format_version is not None:
+        data = json.loads((directory / "manifest.json").read_text())
+        data["format_version"] = format_version
+        data["manifest_sha256"] = manifest_digest(data)
+        (directory / "manifest.json").write_text(json.dumps(data))
+    return directory
+
+
+def _mxc_run(artifact, tmp_path, *flags):
+    import subprocess
+
+    from runtime_support import MXC, cpu_env
+
+    return subprocess.run([MXC, "run", str(artifact), "--data", str(tmp_path / "tokens.bin"), "--steps", "1",
+                           "--ckpt-dir", str(tmp_path / "ckpt"), *flags], env=cpu_env(), capture_output=True,
+                          text=True, timeout=120)
+
+
+def _one_error_line(done) -> str:
     assert done.returncode == 1 and done.stderr.startswith("mxc: error: "), done.stderr
-    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
-    assert f"artifact format 3, which this mxc no longer reads: expected format {FORMAT_VERSION}" in done.stderr
-    assert f"recompile it: mxc compile MODEL ... -o {old} --force" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    return done.stderr
+
+
+def test_an_artifact_whose_train_step_baked_in_its_schedule_is_refused_with_recompile(tmp_path):
+    """Format 3 train steps took (state, batch) and scheduled themselves: `mxc run` refuses them
+    in one line that says to recompile, before loading anything."""
+    from mxc.runtime.artifact import FORMAT_VERSION
+
+    old = _stand_in_artifact(tmp_path / "old", format_version=3)
+    err = _one_error_line(_mxc_run(old, tmp_path))
+    assert f"artifact format 3, which this mxc no longer reads: expected format {FORMAT_VERSION}" in err
+    assert f"recompile it: mxc compile MODEL ... -o {old} --force" in err
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--warmup-steps", "10", "--decay-steps", "5"], "--decay-steps 5 ends before --warmup-steps 10 does"),
+    (["--profile-steps", "2:3"], "--profile-steps needs a directory for its trace"),
+])
+def test_bad_schedule_and_profile_flags_are_one_error_line(tmp_path, flags, message):
+    err = _one_error_line(_mxc_run(_stand_in_artifact(tmp_path / "artifact"), tmp_path, *flags))
+    assert message in err and not (tmp_path / "ckpt").exists()
