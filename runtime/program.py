@@ -133,8 +133,9 @@ def _renumbered_devices(devices: list):
 # HLO element types by the numpy name the manifest uses.
 HLO_TYPES = {"pred": "bool", "s8": "int8", "s16": "int16", "s32": "int32", "s64": "int64", "u8": "uint8",
              "u16": "uint16", "u32": "uint32", "u64": "uint64", "f16": "float16", "bf16": "bfloat16",
-             "f32": "float32", "f64": "float64"}
-HLO_SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
+             "f32": "float32", "f64": "float64", "s4": "int4", "u4": "uint4", "f8e4m3fn": "float8_e4m3fn",
+             "f8e5m2": "float8_e5m2"}  # the last four: quantized weights (mxc compile --quantize)
+HLO_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 
 
 def executable_parameters(executable) -> list[tuple[str, tuple[int, ...]]]:
