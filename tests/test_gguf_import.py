@@ -96,6 +96,20 @@ def test_quantized_file_imports_to_its_dequantized_values(tmp_path):
     assert relative_error(mine, hf_logits(model, TOKENS)) > TOLERANCE
 
 
+@pytest.mark.slow
+def test_a_float16_file_keeps_float16_parameters(tmp_path):
+    model = hf_model("llama")
+    path = write_gguf(tmp_path / "h.gguf", "llama", model, tensor_type="F16")
+    assert main(["import-gguf", str(path), "-o", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out" / "model.mspec").read_text()
+    assert "param_dtype = float16" in text and "compute_dtype = float16" in text
+    with torch.no_grad():  # the reference holds the float16-rounded matrices
+        for value in model.state_dict().values():
+            if value.ndim >= 2:
+                value.copy_(value.half().float())
+    assert relative_error(mxc_logits(tmp_path / "out", TOKENS, tmp_path), hf_logits(model, TOKENS)) < 1e-3
+
+
 def _roundtrip(value: np.ndarray, type_name: str) -> np.ndarray:
     import gguf
 

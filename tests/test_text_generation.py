@@ -155,6 +155,16 @@ def test_sentencepiece_vocabulary_tokenizes_as_transformers(architecture, tmp_pa
             theirs(text).input_ids, skip_special_tokens=True)
 
 
+def test_chat_without_a_template_is_refused(tiny_dir, tmp_path):
+    from mxc.runtime.text_generation import TextError, load_text_tokenizer
+
+    (tmp_path / "tokenizer.json").write_bytes((tiny_dir / "tokenizer.json").read_bytes())
+    tokenizer = load_text_tokenizer(tmp_path)
+    assert tokenizer.prompt_ids("hi", chat=False).tolist() == [[*b"hi"]]
+    with pytest.raises(TextError, match="has no chat template"):
+        tokenizer.prompt_ids("hi", chat=True)
+
+
 # ------------------------------------------------------------------ the commands on a tiny model
 
 def test_generate_prompt_streams_the_tokens_it_generates(tiny_dir, tmp_path, capsys):
