@@ -87,3 +87,27 @@ def test_a_train_step_gives_the_same_loss_and_gradients_either_way():
     np.testing.assert_allclose(loss, plain_loss, rtol=1e-6)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(plain_grads)):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)
+
+
+def test_fused_cross_entropy_equals_the_plain_loss_and_gradient():
+    from mxc.compiler.lower.loss import loss_sums
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    logits = 4 * jax.random.normal(keys[0], (2, 5, 37), jnp.float32)
+    targets = jax.random.randint(keys[1], (2, 5), 0, 37)
+    mask = jax.random.bernoulli(keys[2], 0.7, (2, 5))
+
+    def sums_and_gradient(fused: bool):
+        choices = LoweringChoices(stacked_projections=False, interpret_kernels=True, fused_cross_entropy=fused)
+
+        def total(x):
+            sums = loss_sums(x, targets, mask, z_loss_weight=1e-3)
+            return sums.total(), sums
+
+        with use_lowering(choices):
+            return jax.jit(jax.grad(total, has_aux=True))(logits)
+
+    (plain_gradient, plain), (gradient, fused) = sums_and_gradient(False), sums_and_gradient(True)
+    for name in ("cross_entropy", "z_loss", "correct", "tokens"):
+        np.testing.assert_allclose(getattr(fused, name), getattr(plain, name), rtol=1e-6, err_msg=name)
+    np.testing.assert_allclose(gradient, plain_gradient, rtol=1e-5, atol=1e-7)

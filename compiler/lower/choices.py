@@ -25,6 +25,9 @@ class LoweringChoices:
     # has the measurements. Weight products' backward passes as canonical row-major matrix
     # products (weight_gradients.py): XLA:CPU otherwise copies the large gradient transposed.
     canonical_weight_gradients: bool = False
+    # The cross entropy's per-token statistics with a hand-written gradient (loss.py): no
+    # [tokens, vocab] intermediates beyond the logits and their gradient.
+    fused_cross_entropy: bool = False
 
     @classmethod
     def for_platform(cls, platform: str) -> "LoweringChoices":
@@ -33,7 +36,7 @@ class LoweringChoices:
         # kernels compile only for TPUs; elsewhere they run in its interpreter.
         cpu = platform == "cpu"
         return cls(stacked_projections=platform == "tpu", interpret_kernels=platform != "tpu",
-                   canonical_weight_gradients=cpu)
+                   canonical_weight_gradients=cpu, fused_cross_entropy=cpu)
 
     def with_recorded(self, recorded: dict) -> "LoweringChoices":
         """These choices with those a plan file records (the rest stay the platform's)."""

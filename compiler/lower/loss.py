@@ -12,6 +12,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from mxc.compiler.lower.choices import lowering_choices
+
 
 class LossSums(NamedTuple):
     """Sums over the unmasked tokens of a batch (float32 scalars)."""
@@ -37,13 +39,14 @@ def loss_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = No
     (nonzero = counts; None = every token counts)."""
     logits = logits.astype(jnp.float32)  # bf16 logsumexp over a 100k+ vocabulary loses the loss
     weights = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
-    log_normalizer = jax.nn.logsumexp(logits, axis=-1)
-    # A one-hot contraction instead of a gather keeps a vocab-sharded logits tensor sharded.
-    target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32), axis=-1)
+    if lowering_choices().fused_cross_entropy:
+        log_normalizer, target_logit, largest = _fused_statistics(logits, targets)
+    else:
+        log_normalizer, target_logit, largest = _statistics(logits, targets)
     cross_entropy = log_normalizer - target_logit
     # Right when the target's logit is the largest: the maximum logsumexp takes anyway, where an
     # argmax would be one more pass over the logits (and one more kernel to compile).
-    correct = (target_logit >= jnp.max(logits, axis=-1)).astype(jnp.float32)
+    correct = (target_logit >= largest).astype(jnp.float32)
     return LossSums(
         cross_entropy=jnp.sum(cross_entropy * weights),
         # PaLM (Chowdhery et al., 2022, §5) pushes log Z toward 0 to keep bf16 logits stable.
@@ -53,6 +56,44 @@ def loss_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = No
         mtp=jnp.zeros((), jnp.float32),
         aux_loss=jnp.zeros((), jnp.float32),
     )
+
+
+def _statistics(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per token: (logsumexp, the target's logit, the largest logit)."""
+    log_normalizer = jax.nn.logsumexp(logits, axis=-1)
+    # A one-hot contraction instead of a gather keeps a vocab-sharded logits tensor sharded.
+    target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32), axis=-1)
+    return log_normalizer, target_logit, jnp.max(logits, axis=-1)
+
+
+# The same statistics for one device's whole logits (CPU plans: LoweringChoices.fused_cross_entropy).
+# Autodiff of _statistics writes the one-hot product and exp(logits - max) as [tokens, vocab]
+# arrays in the forward pass and reads them back; here the forward pass only reduces the logits
+# (the target's logit is a gather) and the backward pass writes the logits' gradient,
+# softmax · g_lse + onehot · g_target, in one pass.
+@jax.custom_vjp
+def _fused_statistics(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    largest = jnp.max(logits, axis=-1)
+    log_normalizer = largest + jnp.log(jnp.sum(jnp.exp(logits - largest[..., None]), axis=-1))
+    target_logit = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return log_normalizer, target_logit, largest
+
+
+def _fused_forward(logits, targets):
+    statistics = _fused_statistics(logits, targets)
+    return statistics, (logits, targets, statistics[0])
+
+
+def _fused_backward(residuals, cotangents):
+    logits, targets, log_normalizer = residuals
+    d_normalizer, d_target, _ = cotangents  # the largest logit only feeds a comparison
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    d_logits = (jnp.exp(logits - log_normalizer[..., None]) * d_normalizer[..., None]
+                + jnp.where(vocab == targets[..., None], d_target[..., None], 0.0))
+    return d_logits, None
+
+
+_fused_statistics.defvjp(_fused_forward, _fused_backward)
 
 
 def loss_metrics(sums: LossSums) -> dict[str, jax.Array]:
