@@ -87,7 +87,8 @@ def compile_rows(args) -> int:
               + f", seq {row['seq']}, batch {row['global_batch']} ({row['maxtext_config']})", flush=True)
         terms: list = []
         texts: list = []
-        fixed = plan_setting(spec, topology, row["tuning_params"], seq=row["seq"], terms=terms, texts=texts)
+        fixed = plan_setting(spec, topology, row["tuning_params"], seq=row["seq"], terms=terms, texts=texts,
+                             verify=not args.maxtext_unverified)
         print("  " + "\n  ".join(r for r in fixed.reasons if r.startswith("maxtext: ")), flush=True)
         results = [_estimate_row("MaxText", fixed)]
         _print(results[-1], row)
@@ -113,6 +114,7 @@ def compile_rows(args) -> int:
             Path(args.terms).write_text(json.dumps(saved, indent=1) + "\n")
         if not args.no_auto:
             automatic = plan(spec, topology, seq=row["seq"], batch=row["global_batch"], attempts=2,
+                             verify=not args.auto_unverified,
                              progress=lambda message: print(f"    mxc plan: {message}", flush=True))
             results.append(_estimate_row("mxc", automatic))
             _print(results[-1], row)
@@ -165,6 +167,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="run the rows of this model (or row name) only")
     parser.add_argument("--no-auto", action="store_true", help="compile MaxText's settings only")
+    parser.add_argument("--auto-unverified", action="store_true",
+                        help="do not compile the automatic plan: its estimate is the formula's")
+    parser.add_argument("--maxtext-unverified", action="store_true",
+                        help="do not compile MaxText's setting: its estimate is the formula's")
     parser.add_argument("--json", metavar="FILE", help="append one JSON line per compile")
     parser.add_argument("--terms", default=str(DEFAULT_TERMS), metavar="FILE",
                         help="where the compiled programs' cost terms are kept (default: %(default)s)")

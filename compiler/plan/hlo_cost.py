@@ -422,12 +422,13 @@ def program_cost(text: str, devices: int) -> ProgramCost:
                 flops_inside(callee) for role, callee in callees if role == "calls")
             operand_shapes = [s for o in instruction.operands for s in computation.shape_of(o)]
             on_device = [s.bytes for s in operand_shapes + instruction.shapes if s.memory_space != HOST_MEMORY_SPACE]
+            in_place = _untouched_bytes(instruction, computation, computations)
             touches_host = any(s.memory_space == HOST_MEMORY_SPACE for s in operand_shapes + instruction.shapes)
             # A copy between HBM and host moves its device-side array over the host link once, at
             # its start (a slice written into, or read from, a stacked host buffer moves the
             # slice, not the buffer; an async start and its done name the array twice).
             host = max(on_device, default=0.0) if touches_host and not opcode.endswith("-done") else 0.0
-            moved = sum(on_device) - host
+            moved = max(0.0, sum(on_device) - host - in_place)
             cost.flops += count * flops
             cost.hbm_bytes += count * moved
             cost.host_bytes += count * host
@@ -435,6 +436,41 @@ def program_cost(text: str, devices: int) -> ProgramCost:
 
     walk(entry, 1, ())
     return cost
+
+
+def _untouched_bytes(instruction: Instruction, computation: Computation, computations: dict[str, Computation]) -> float:
+    """Bytes of operands and results a kernel names but does not move: a dynamic-update-slice
+    writes its update into the buffer in place, a dynamic-slice reads only its slice (alone or
+    inside a fusion: a stacked layer buffer of a scan is touched one layer at a time)."""
+    def size(name: str, where: Computation) -> float:
+        return sum(s.bytes for s in where.shape_of(name) if s.memory_space != HOST_MEMORY_SPACE)
+
+    opcode = instruction.opcode
+    if opcode in ("dynamic-update-slice", "dynamic-update-slice-start") and len(instruction.operands) > 1:
+        # buffer in and out, less the update written
+        return max(0.0, 2 * size(instruction.operands[0], computation) - size(instruction.operands[1], computation))
+    if opcode in ("dynamic-slice", "dynamic-slice-start") and instruction.operands:
+        return max(0.0, size(instruction.operands[0], computation) - instruction.bytes)
+    if opcode != "fusion":
+        return 0.0
+    fused = computations.get(dict(_CALLEES.findall(instruction.attributes)).get("calls", ""))
+    if fused is None or not fused.instructions:
+        return 0.0
+    untouched = 0.0
+    params = list(fused.params)
+    for index, operand in enumerate(instruction.operands[:len(params)]):
+        users = [u for u in fused.instructions if params[index] in u.operands]
+        if users and all(u.opcode == "dynamic-slice" and u.operands[0] == params[index] for u in users):
+            untouched += max(0.0, size(operand, computation) - sum(u.bytes for u in users))
+        elif users and all(u.opcode == "dynamic-update-slice" and u.operands[0] == params[index] for u in users):
+            untouched += size(operand, computation)  # read in place, never whole
+    root = fused.instructions[-1]
+    outputs = [next((i for i in fused.instructions if i.name == o), None) for o in root.operands] \
+        if root.opcode == "tuple" else [root]
+    for output in outputs:
+        if output is not None and output.opcode == "dynamic-update-slice" and len(output.operands) > 1:
+            untouched += max(0.0, output.bytes - size(output.operands[1], fused))  # only the update is written
+    return max(0.0, untouched)
 
 
 def _async_fusion(instruction: Instruction) -> bool:
