@@ -14,6 +14,7 @@ Names and conventions follow llama.cpp's convert_hf_to_gguf.py (the writer of th
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -217,46 +218,74 @@ def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def hf_tensors(gguf: GGUFFile, cfg: dict, dtype) -> dict[str, np.ndarray]:
-    """Every tensor of the file under its HF name, dequantized to `dtype` and in HF's layout."""
-    arch = architecture_of(gguf)
-    out: dict[str, np.ndarray] = {}
-    for name in gguf.tensors:
-        if name == "rope_freqs.weight":
-            continue  # read into the config's rope scaling
-        value = gguf.dequantized(name, np.float32)
-        for hf_name, tensor in _hf_entries(name, value, arch, cfg, gguf):
-            out[hf_name] = tensor.astype(dtype, copy=False)
-    return out
+class HFTensors(Mapping):
+    """Every tensor of the file under its HF name, in HF's layout and `dtype`, dequantized when
+    asked for (one expert of a stacked tensor alone): the import holds the parameters and one
+    tensor at a time, not a second copy of the whole model."""
+
+    def __init__(self, gguf: GGUFFile, cfg: dict, dtype):
+        self.gguf, self.cfg, self.dtype = gguf, cfg, dtype
+        self.arch = architecture_of(gguf)
+        self.sources: dict[str, tuple[str, int | None]] = {}  # HF name -> (file tensor, expert)
+        for name, tensor in gguf.tensors.items():
+            if name == "rope_freqs.weight":
+                continue  # read into the config's rope scaling
+            for hf_name, expert in _hf_names(name, tensor.shape, self.arch, gguf):
+                self.sources[hf_name] = (name, expert)
+
+    def __getitem__(self, hf_name: str) -> np.ndarray:
+        name, expert = self.sources[hf_name]
+        value = _to_hf(name, self.gguf.dequantized(name, np.float32, expert), self.arch, self.cfg)
+        return value.astype(self.dtype, copy=False)
+
+    def __iter__(self):
+        return iter(self.sources)
+
+    def __len__(self) -> int:
+        return len(self.sources)
 
 
-def _hf_entries(name: str, value: np.ndarray, arch: Architecture, cfg: dict, gguf: GGUFFile):
-    stem, _, kind = name.rpartition(".")
-    if stem in TOP_NAMES and kind == "weight":
-        if arch.gemma and stem == "output_norm":
-            value = value - 1
-        yield f"{TOP_NAMES[stem]}.weight", value
-        return
+def hf_tensors(gguf: GGUFFile, cfg: dict, dtype) -> HFTensors:
+    return HFTensors(gguf, cfg, dtype)
+
+
+def _layer_part(name: str, gguf: GGUFFile) -> tuple[str, str, str]:
     match = LAYER_TENSOR.match(name)
     if not match:
         raise GGUFError(f"{gguf.path}: tensor {name} has no place in a {gguf.architecture} model")
-    layer, part, kind = match.groups()
+    return match.groups()
+
+
+def _hf_names(name: str, shape: tuple, arch: Architecture, gguf: GGUFFile):
+    """(HF name, expert index or None) for each HF tensor the file tensor `name` holds."""
+    stem, _, kind = name.rpartition(".")
+    if stem in TOP_NAMES and kind == "weight":
+        yield f"{TOP_NAMES[stem]}.weight", None
+        return
+    layer, part, kind = _layer_part(name, gguf)
     prefix = f"model.layers.{layer}."
     if part in EXPERT_NAMES.get(arch.model_type, ("", {}))[1]:
         module, names = EXPERT_NAMES[arch.model_type]
-        for expert in range(value.shape[0]):
-            yield f"{prefix}{module}.experts.{expert}.{names[part]}.{kind}", value[expert]
+        for expert in range(shape[0]):
+            yield f"{prefix}{module}.experts.{expert}.{names[part]}.{kind}", expert
         return
     if part == "ffn_gate_inp" and arch.model_type in EXPERT_NAMES:
-        yield f"{prefix}{EXPERT_NAMES[arch.model_type][0]}.gate.{kind}", value
+        yield f"{prefix}{EXPERT_NAMES[arch.model_type][0]}.gate.{kind}", None
         return
     names = {**LAYER_NAMES, **GEMMA_NORMS} if arch.model_type in ("gemma2", "gemma3_text") else LAYER_NAMES
     if part not in names:
         raise GGUFError(f"{gguf.path}: tensor {name} has no place in a {gguf.architecture} model")
-    if arch.gemma and part.endswith("norm"):
-        value = value - 1
-    if arch.permuted_qk and part == "attn_q":
-        value = unpermute(value, cfg["num_attention_heads"])
-    elif arch.permuted_qk and part == "attn_k":
-        value = unpermute(value, cfg["num_key_value_heads"])
-    yield prefix + names[part] + "." + kind, value
+    yield prefix + names[part] + "." + kind, None
+
+
+def _to_hf(name: str, value: np.ndarray, arch: Architecture, cfg: dict) -> np.ndarray:
+    """A file tensor's values in HF's convention: Gemma's norms less 1, llama q/k rows unpermuted."""
+    stem = name.rpartition(".")[0]
+    part = stem.rpartition(".")[2]
+    if arch.gemma and (stem == "output_norm" or (stem.startswith("blk.") and part.endswith("norm"))):
+        return value - 1
+    if arch.permuted_qk and stem.startswith("blk.") and part == "attn_q":
+        return unpermute(value, cfg["num_attention_heads"])
+    if arch.permuted_qk and stem.startswith("blk.") and part == "attn_k":
+        return unpermute(value, cfg["num_key_value_heads"])
+    return value

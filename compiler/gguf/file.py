@@ -39,14 +39,16 @@ class GGUFFile:
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
 
-    def dequantized(self, name: str, dtype=np.float32) -> np.ndarray:
-        """The tensor `name` as floats of `dtype`, shaped as numpy (and HF) order it."""
+    def dequantized(self, name: str, dtype=np.float32, index: int | None = None) -> np.ndarray:
+        """The tensor `name` (or its slice `index` along the first axis: one expert of a stacked
+        tensor, read alone) as floats of `dtype`, shaped as numpy (and HF) order it."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         tensor = self.tensors[name]
-        values = dequantize(tensor.raw, GGMLQuantizationType[tensor.type_name])
-        return np.asarray(values).reshape(tensor.shape).astype(dtype, copy=False)
+        raw, shape = (tensor.raw, tensor.shape) if index is None else (tensor.raw[index], tensor.shape[1:])
+        values = dequantize(raw, GGMLQuantizationType[tensor.type_name])
+        return np.asarray(values).reshape(shape).astype(dtype, copy=False)
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
