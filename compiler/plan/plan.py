@@ -68,9 +68,10 @@ class XlaMemory(_Value):
     def total(self) -> int:
         """XLA's peak; without one, every buffer at once (an upper bound). The arguments and the
         temporaries' block are live together, so a peak below them leaves the temporaries out (the
-        CPU backend's does) and is raised to them, to compare like with like with the estimate."""
+        CPU backend's does) and is raised to them, to compare like with like with the estimate.
+        XLA's peak also counts host memory (offloaded activations), which HBM does not hold."""
         if self.peak:
-            return max(self.peak, self.parameters + self.optimizer_state + self.batch + self.temporaries)
+            return max(self.peak - self.host_temporaries, self.parameters + self.optimizer_state + self.batch + self.temporaries)
         return (self.parameters + self.optimizer_state + self.batch + self.temporaries + self.outputs
                 + self.generated_code)
 
