@@ -20,6 +20,7 @@ def register(subparsers) -> None:
     evaluate = subparsers.add_parser("eval", help="measure a model: token accuracy and serving speed",
                                      description="Measurements of a model or a compiled artifact.")
     kinds = evaluate.add_subparsers(title="measurements", metavar="MEASUREMENT")
+    evaluate.set_defaults(func=lambda args: _usage(evaluate))  # `mxc eval` alone: which measurements there are
     parser = kinds.add_parser(
         "accuracy", help="teacher-forced top-1/top-5 accuracy against a full-precision reference, and speed",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -58,6 +59,13 @@ def register(subparsers) -> None:
     parser.add_argument("--segments", action="store_true", help="also print the scores per 100 positions")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the row")
     parser.set_defaults(func=handler)
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    import sys
+
+    parser.print_help(sys.stderr)
+    return 2
 
 
 def handler(args: argparse.Namespace) -> int:
