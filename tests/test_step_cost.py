@@ -162,3 +162,27 @@ def test_leave_one_out_on_the_published_rows_is_reproducible():
     assert constants == FITTED
     for validation in table:
         assert abs(validation.in_sample_error) < 1.0 and abs(validation.left_out_error) < 1.0
+
+
+IN_PLACE_UPDATE = """HloModule m
+%fused (p0: f32[8,1024], p1: f32[1,1024], p2: s32[]) -> f32[8,1024] {
+  %p0 = f32[8,1024]{1,0} parameter(0)
+  %p1 = f32[1,1024]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %dus = f32[8,1024]{1,0} dynamic-update-slice(%p0, %p1, %p2, %z)
+}
+
+ENTRY %main (a: f32[8,1024], b: f32[1,1024], i: s32[]) -> f32[8,1024] {
+  %a = f32[8,1024]{1,0} parameter(0)
+  %b = f32[1,1024]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %f = f32[8,1024]{1,0} fusion(%a, %b, %i), kind=kLoop, calls=%fused
+}
+"""
+
+
+def test_an_update_in_place_moves_the_update_not_the_buffer():
+    # One row written into an 8-row buffer: the row read and written, the index; not 2 x 32 KiB.
+    cost = hlo_cost.program_cost(IN_PLACE_UPDATE, 1)
+    assert cost.hbm_bytes == 2 * 1024 * 4 + 4

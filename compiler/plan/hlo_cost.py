@@ -98,14 +98,14 @@ class Computation:
     name: str
     params: dict[str, list[Shape]]
     instructions: list[Instruction] = field(default_factory=list)
+    _by_name: dict | None = field(default=None, repr=False)
 
     def shape_of(self, name: str) -> list[Shape]:
-        if name in self.params:
-            return self.params[name]
-        for instruction in self.instructions:
-            if instruction.name == name:
-                return instruction.shapes
-        return []
+        if self._by_name is None or len(self._by_name) != len(self.instructions):
+            self._by_name = {instruction.name: instruction for instruction in self.instructions}
+        if name in self._by_name:
+            return self._by_name[name].shapes
+        return self.params.get(name, [])
 
 
 def _operands(call: str) -> tuple[str, str]:
@@ -128,7 +128,7 @@ def parse_module(text: str) -> tuple[dict[str, Computation], str]:
             header = _HEADER.match(line)
             if header:
                 params = {}
-                for part in re.finditer(r"([\w.\-]+):\s*((?:\([^)]*\))|[^,]+)", header[3]):
+                for part in re.finditer(r"([\w.\-]+):\s*(\([^)]*\)|[a-z0-9]+\[[^\]]*\](?:\{[^}]*\})?)", header[3]):
                     params[part[1]] = parse_shapes(part[2])
                 current = Computation(header[2], params)
                 if header[1]:
