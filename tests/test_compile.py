@@ -71,8 +71,11 @@ def test_train_step_leaves_shardings_and_donation(manifest):
     from mxc.spec.load import load_model
 
     train = manifest["functions"]["train_step"]
-    assert train["arguments"] == ["state", "batch"] and train["donation"] == [0]
+    assert train["arguments"] == ["state", "batch", "schedule"] and train["donation"] == [0]
     by_path = {tuple(leaf["path"]): leaf for leaf in train["inputs"]}
+    # The learning rate comes in every step (mxc.runtime.schedule): a replicated float32 scalar.
+    rate = by_path[(2, "learning_rate")]
+    assert (rate["shape"], rate["dtype"], rate["sharding"], rate["donated"]) == ([], "float32", [], False)
     embedding = by_path[(0, "params", "embed", "embedding")]
     assert embedding["shape"] == [512, 64] and embedding["dtype"] == "float32"
     assert embedding["sharding"] == [None, "fsdp"] and embedding["donated"]
