@@ -82,7 +82,8 @@ def plan(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, pins: Map
 
 
 def evaluate(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, mesh: Mapping[str, int],
-             remat: str, sequence_parallel: bool = False, microbatches: int = 1, dcn: Mapping[str, int] | None = None) -> Plan:
+             remat: str, sequence_parallel: bool = False, microbatches: int = 1, dcn: Mapping[str, int] | None = None,
+             attention: str | None = None, experts: tuple[str | None, float | None] | None = None) -> Plan:
     """One fixed setting (a recipe's mesh, remat and batch) as a Plan with its predicted memory
     and step time; not compiled (verify.verify judges it)."""
     params = _parameters(spec)
@@ -95,7 +96,8 @@ def evaluate(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, mesh:
     if sequence_parallel:  # the residual stream's sequence split over tensor too
         rules["residual_seq"] = SEQUENCE_PARALLEL
     choice = Choice(spec, params, topology, sizes, dict(dcn or {}), rules, seq, batch, microbatches, remat,
-                    attention_for(topology, seq, sizes["context"]), tuple(notes), *expert_settings(spec))
+                    attention or attention_for(topology, seq, sizes["context"]), tuple(notes),
+                    *(experts or expert_settings(spec)))
     item = score(choice)
     verdict = Verification(status="skipped", reason="not compiled")
     result = _plan_value(spec, topology, seq, batch, {}, item, verdict, item.memory.total <= topology.usable_hbm_bytes)
@@ -157,7 +159,7 @@ def _plan_value(spec, topology: Topology, seq: int, batch: int, pins, item: Scor
         rules={k: list(v) for k, v in choice.rules.items()}, remat=choice.remat,
         microbatches=choice.microbatches, attention=choice.attention, expert_path=choice.expert_path,
         capacity_factor=choice.capacity_factor, lowering=_lowering_for(topology), pins=dict(pins), fits=fits_now,
-        predicted=item.memory, serving_kv_cache=memory.kv_cache_bytes(choice, seq), xla=verdict, time=item.time)
+        predicted=item.memory, serving_kv_cache=memory.kv_cache_bytes(choice, seq), xla=verdict, time=verdict.time or item.time)
 
 
 def _lowering_for(topology: Topology) -> Lowering:
