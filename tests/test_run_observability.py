@@ -1,31 +1,25 @@
 """What a training user sees: TensorBoard scalars for every metric (read back from the event files
 with tensorboardX's own record format and protobufs), a JAX profiler trace of chosen steps that
 XProf's converter opens, eval loss and perplexity on the console, and the end-of-run summary.
-The loop runs in-process on a toy model trained by the real lowering's optimizer."""
+The loop runs in a child process (tests/children/observed_run.py) on a toy model trained by the
+real lowering's optimizer."""
 
-import contextlib
-import io
 import json
 import math
-import os
 import re
 import struct
+import subprocess
+from pathlib import Path
 
-# Before jax is imported: with libtpu installed and no TPU, jax's profiler crashes unless jax is
-# kept to the CPU (as `mxc run` keeps a cpu-N artifact's process).
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import pytest
 
-import pytest  # noqa: E402
+from runtime_support import child, cpu_env
+from scheduled_bigram import BATCH, SEQ
 
-from scheduled_bigram import ARTIFACT_OPTIMIZER, BATCH, SEQ, VOCAB, scheduled_bigram  # noqa: E402
+from mxc.runtime.metrics import RunTotals
+from mxc.runtime.profiling import ProfileStepsError, ProfileWindow
 
-from mxc.runtime.checkpoint import Checkpoints  # noqa: E402
-from mxc.runtime.loop import LoopConfig, StopSignal, TrainingRun  # noqa: E402
-from mxc.runtime.metrics import RunTotals  # noqa: E402
-from mxc.runtime.profiling import ProfileStepsError, ProfileWindow  # noqa: E402
-from mxc.runtime.schedule import ScheduleRequest  # noqa: E402
-
-STEPS = 6
+STEPS = 6  # as tests/children/observed_run.py runs
 
 
 def read_event_files(directory) -> list:
@@ -73,30 +67,14 @@ def trace_events(xplane) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def observed_run(tmp_path_factory):
-    """A 6-step run with evaluation every 3 steps, TensorBoard and a trace of steps 2-3:
-    (its folder, RunSummary, metrics records, what it printed)."""
-    import numpy as np
-
-    from mxc.runtime.token_file import open_tokens, write_tokens
-
+    """The child's 6-step run with evaluation every 3 steps, TensorBoard and a trace of steps 2-3:
+    (its folder, its totals and summary lines, metrics records, what it printed)."""
     directory = tmp_path_factory.mktemp("observed")
-    write_tokens(directory / "tokens.bin", [np.arange(2000) % (VOCAB - 1)], vocab_size=VOCAB, eod_id=VOCAB - 1,
-                 tokenizer="test")
-    tokens = open_tokens(directory / "tokens.bin")
-    request = ScheduleRequest(steps=STEPS, artifact_optimizer=ARTIFACT_OPTIMIZER)
-    console = io.StringIO()
-    with contextlib.redirect_stderr(console):
-        run = TrainingRun(scheduled_bigram(flops_per_step=1e6, peak_flops=1e9), tokens,
-                          Checkpoints(directory / "ckpt"), LoopConfig(steps=STEPS, eval_every=3, log_every=100),
-                          metrics_path=directory / "metrics.jsonl", eval_data=tokens, schedule=request,
-                          tensorboard_dir=directory / "tb", profile=ProfileWindow(2, 3, directory / "profile"))
-        try:
-            with StopSignal(multi_process=False) as stop:
-                summary = run.run(stop)
-        finally:
-            run.close()
+    done = subprocess.run(child("observed_run", directory), env=cpu_env(PYTHONPATH=str(Path(__file__).parent)),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
     records = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
-    return directory, summary, records, console.getvalue()
+    return directory, json.loads(done.stdout.strip().splitlines()[-1]), records, done.stderr
 
 
 def test_tensorboard_holds_every_metric_of_every_line(observed_run):
@@ -133,12 +111,11 @@ def test_eval_loss_and_perplexity_on_the_console_and_the_summary(observed_run):
     for record in evals:
         assert record["perplexity"] == pytest.approx(math.exp(record["loss"]))
         assert f"eval at step {record['step']}: loss {record['loss']:.4f}, perplexity {record['perplexity']:.2f}" in err
-    totals = summary.totals
     train_seconds = sum(r["step_seconds"] for r in records if r["kind"] == "train")
-    assert totals.steps == STEPS and totals.tokens == STEPS * BATCH * SEQ
-    assert totals.train_seconds == pytest.approx(train_seconds)
-    assert summary.wall_seconds >= train_seconds
-    lines = totals.summary_lines(summary.wall_seconds)
+    assert summary["steps"] == STEPS and summary["tokens"] == STEPS * BATCH * SEQ
+    assert summary["train_seconds"] == pytest.approx(train_seconds)
+    assert summary["wall_seconds"] >= train_seconds
+    lines = summary["lines"]
     assert lines[0].startswith(f"tokens seen {STEPS * BATCH * SEQ:,} in {STEPS} steps; wall time ")
     assert f"mean {STEPS * BATCH * SEQ / train_seconds:,.0f} tokens/s" in lines[0]
     assert lines[1] == f"MFU {100 * 1e6 * STEPS / train_seconds / 1e9:.2f}% of a peak of 1e+09 FLOP/s"
