@@ -160,8 +160,15 @@ def test_leave_one_out_on_the_published_rows_is_reproducible():
     rows, _ = calibration_rows()
     constants, table = leave_one_out(rows)
     assert constants == FITTED
-    for validation in table:
-        assert abs(validation.in_sample_error) < 1.0 and abs(validation.left_out_error) < 1.0
+    errors = {v.name: (round(v.in_sample_error, 3), round(v.left_out_error, 3)) for v in table}
+    assert errors == LEAVE_ONE_OUT
+
+
+# Each row's (in-sample, left-out) relative error of the estimated MFU, as docs/plans.md shows them.
+LEAVE_ONE_OUT = {
+    "Llama 3.1 8B, v6e-256": (-0.004, -0.127),
+    "Llama 2 70B, v5p-512": (-0.004, -0.010),
+}
 
 
 IN_PLACE_UPDATE = """HloModule m

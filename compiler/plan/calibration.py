@@ -33,7 +33,7 @@ class Constants:
 
 
 # Fitted by bench/plan_recipes.py --fit on tests/data/published_mfu.json (docs/plans.md, "Calibration").
-FITTED = Constants(matmul=0.62, hbm=0.75, link=0.7, overlap=0.9)
+FITTED = Constants(matmul=0.8646, hbm=0.7634, link=0.633, overlap=0.7528)
 # Where every fit starts, so that a fit is a function of its rows alone.
 START = Constants(matmul=0.6, hbm=0.6, link=0.6, overlap=0.6)
 BOUNDS = {"matmul": (0.3, 1.0), "hbm": (0.3, 1.0), "link": (0.1, 1.0), "overlap": (0.05, 1.0)}
