@@ -84,3 +84,14 @@ def test_int8_llama_8b_on_v5p_8_holds_its_weights_in_half_of_bfloat16(tmp_path):
     bfloat16_per_device = parameters * 2 / devices
     arguments = manifest["functions"]["decode"]["memory"]["argument_bytes"]
     assert 0.45 < arguments / bfloat16_per_device < 0.56, arguments / bfloat16_per_device
+
+
+@pytest.mark.slow
+def test_fp8_quantization_aware_train_step_compiles_for_v5p(tmp_path):
+    artifact = tmp_path / "qat"
+    _ok(run_mxc(tmp_path, "compile", "llama3-tiny", "--topology", "v5p-8", "--seq", "64", "--batch", "16",
+                "--quantize", "fp8", "--functions", "train_step", "-o", str(artifact)))
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["spec"]["quantize"] == "fp8" and manifest["topology"]["platform"] == "tpu"
+    params = [leaf for leaf in manifest["functions"]["train_step"]["inputs"] if leaf["path"][:2] == [0, "params"]]
+    assert params and all(leaf["dtype"] == "float32" for leaf in params)  # trained in float, fake-quantized
