@@ -39,13 +39,15 @@ def loss_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = No
     (nonzero = counts; None = every token counts)."""
     logits = logits.astype(jnp.float32)  # bf16 logsumexp over a 100k+ vocabulary loses the loss
     weights = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+    largest = None
     if lowering_choices().fused_cross_entropy:
         log_normalizer, target_logit, largest = _fused_statistics(logits, targets)
     else:
-        log_normalizer, target_logit, largest = _statistics(logits, targets)
+        log_normalizer, target_logit = _statistics(logits, targets)
     cross_entropy = log_normalizer - target_logit
     # Right when the target's logit is the largest: the maximum logsumexp takes anyway, where an
     # argmax would be one more pass over the logits (and one more kernel to compile).
+    largest = jnp.max(logits, axis=-1) if largest is None else largest
     correct = (target_logit >= largest).astype(jnp.float32)
     return LossSums(
         cross_entropy=jnp.sum(cross_entropy * weights),
@@ -58,12 +60,12 @@ def loss_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = No
     )
 
 
-def _statistics(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per token: (logsumexp, the target's logit, the largest logit)."""
+def _statistics(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per token: (logsumexp, the target's logit)."""
     log_normalizer = jax.nn.logsumexp(logits, axis=-1)
     # A one-hot contraction instead of a gather keeps a vocab-sharded logits tensor sharded.
     target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32), axis=-1)
-    return log_normalizer, target_logit, jnp.max(logits, axis=-1)
+    return log_normalizer, target_logit
 
 
 # The same statistics for one device's whole logits (CPU plans: LoweringChoices.fused_cross_entropy).
