@@ -30,7 +30,7 @@ BOUNDS = {"bf16": 0.01, "int8": 0.03, "w8a8": 0.04, "int4": 0.3, "int4-mlp": 0.0
 @pytest.fixture(scope="module")
 def tiny():
     spec = load_model("llama3-tiny").model_copy(update={"compute_dtype": "float32"})
-    return spec, init_params(spec, jax.random.key(0))
+    return spec, jax.jit(lambda key: init_params(spec, key))(jax.random.key(0))
 
 
 def _relative(a, b) -> float:
@@ -111,7 +111,9 @@ def test_scales_lie_along_the_output_channels_of_each_kernel(tiny):
 
 # ------------------------------------------------------------------ logits
 
-@pytest.mark.parametrize("name", WEIGHT_CONFIGS)
+# int8, w8a8 and int4 by default; the others in the slow run (the default suite's time budget).
+@pytest.mark.parametrize("name", [name if name in ("int8", "w8a8", "int4") else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in WEIGHT_CONFIGS])
 def test_each_config_is_close_to_float_and_differs_from_it(tiny, name):
     """Stored quantized parameters and fake quantization give the same logits, close to the float
     model's; and they differ from them, so the quantizer really ran."""
@@ -175,8 +177,20 @@ def test_float_checkpoint_is_quantized_at_load_like_mxc_quantize(tiny, tmp_path)
         loaded = load_params(tmp_path / "float", target)
         expected = quantize_params(spec, params, parse(name))
         assert jax.tree.structure(loaded) == jax.tree.structure(expected)
-        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)),
-                     loaded, expected)
+        jax.tree.map(_same_up_to_rounding_ties, loaded, expected)
+
+
+def _same_up_to_rounding_ties(a, b):
+    """Equal, except that a value exactly between two steps may round either way where one side
+    divides by the scale and the other multiplies by its reciprocal (jitted and eager)."""
+    integer = jnp.issubdtype(a.dtype, jnp.integer)
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert a.shape == b.shape
+    if not integer:  # scales, float and bfloat16 weights
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+        return
+    differ = a != b
+    assert differ.mean() < 1e-3 and (np.abs(a - b)[differ] <= 1).all()
 
 
 # ------------------------------------------------------------------ training
