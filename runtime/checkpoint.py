@@ -5,7 +5,8 @@ layout), each with three items:
 
     params     the parameters (orbax StandardSave: tensorstore arrays, no pickle)
     optimizer  {"step": the update counter, "opt_state": the optimizer's state}
-    meta       JSON: step, the data position, the seed, the artifact it was trained with, and
+    meta       JSON: step, the data position, the seed, the learning-rate schedule
+               (mxc.runtime.schedule), the artifact it was trained with, and
                a checksum of every array of params and optimizer (mxc.runtime.checksums),
                checked when the step is restored: a corrupt array is refused, never trained on
 
