@@ -300,18 +300,6 @@ class ProgramCost:
     collectives: list[Collective] = field(default_factory=list)
     loops: dict[str, int] = field(default_factory=dict)  # while body -> trip count
 
-    def roofline_seconds(self, flops_per_s: float, bytes_per_s: float) -> tuple[float, float]:
-        """(compute-bound seconds, memory-bound seconds): each kernel takes the longer of its FLOPs
-        at `flops_per_s` and its bytes at `bytes_per_s`, filed under what bounds it."""
-        compute = memory = 0.0
-        for flops, moved, count in self.ops:
-            f, m = flops / flops_per_s, moved / bytes_per_s
-            if f >= m:
-                compute += count * f
-            else:
-                memory += count * m
-        return compute, memory
-
 
 def trip_count(loop: Instruction, computations: dict[str, Computation], caller: Computation) -> int:
     """A while loop's iterations: its condition compares the counter with a constant (`i < N`);
