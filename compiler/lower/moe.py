@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, NonNegativeFloat, PositiveFloat
 
 from mxc.compiler.lower import megablox
 from mxc.compiler.lower.choices import lowering_choices
+from mxc.compiler.lower.expert_dispatch import DispatchPlan, dispatch_experts
 from mxc.compiler.lower.expert_rows import expert_ffn, sort_assignments
 from mxc.compiler.lower.ffn import ffn_layer, hidden_activation
 from mxc.compiler.lower.params import moe_defs, shared_expert_ffn
@@ -282,7 +283,10 @@ def moe_layer(moe: MoE, params: dict, x: jax.Array, config: MoEConfig = MoEConfi
         raise ValueError(f"unknown expert path {config.path!r}; choose one of {', '.join(EXPERT_PATHS)}")
     routed_params = {"router": params["router"], "experts": params["experts"]}
     split = _batch_split(x.shape[0])
-    if config.path == "dropless" and config.grouped_matmul == "megablox":
+    expert_parallel = _expert_parallel_layout(moe, x) if config.path == "dropless" else None
+    if expert_parallel is not None:
+        y, stats = _routed_expert_parallel(moe, routed_params, x, config, expert_parallel)
+    elif config.path == "dropless" and config.grouped_matmul == "megablox":
         y, stats = _routed_megablox(moe, routed_params, x, config)
     elif split is None:
         y, stats = _routed(moe, routed_params, x, config, total=lambda v: v)
@@ -320,6 +324,86 @@ def _shard_index(names: tuple[str, ...], mesh) -> jax.Array:
     return index
 
 
+def _names_of(entry) -> tuple[str, ...]:
+    """A PartitionSpec entry as a tuple of mesh axis names."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _expert_specs(moe: MoE, d_model: int, rules, mesh) -> dict:
+    """PartitionSpecs of the expert weights for a region manual over every mesh axis. A grouped
+    matmul wants every row's whole input: the embed dimension is gathered, not split."""
+    expert_axes = jax.tree.map(lambda d: tuple(None if a == "embed" else a for a in d.axes),
+                               moe_defs(moe, d_model)["experts"], is_leaf=lambda d: hasattr(d, "axes"))
+    return jax.tree.map(lambda axes: partition_spec(axes, rules, mesh), expert_axes,
+                        is_leaf=lambda a: isinstance(a, tuple))
+
+
+class _ExpertParallel(NamedTuple):
+    mesh: object
+    batch_spec: PartitionSpec
+    expert_specs: dict
+    expert_names: tuple[str, ...]
+    hidden_names: tuple[str, ...]
+    batch_names: tuple[str, ...]
+    split_names: tuple[str, ...]  # expert axes that do not split the batch: they split each shard's tokens
+
+
+def _expert_parallel_layout(moe: MoE, x: jax.Array) -> _ExpertParallel | None:
+    """How the dropless path runs with the experts split over mesh axes (expert_dispatch.py), or
+    None when the active rules do not split the experts or the shapes do not divide."""
+    active = active_rules()
+    if active is None:
+        return None
+    mesh, rules = active
+    batch_spec = partition_spec(("batch", None, None), rules, mesh)
+    expert_specs = _expert_specs(moe, x.shape[-1], rules, mesh)
+    up_spec = expert_specs["up"]["kernel"]  # [experts, embed, mlp]
+    expert_names, hidden_names = _names_of(up_spec[0]), _names_of(up_spec[2])
+    batch_names = _names_of(batch_spec[0])
+    split_names = tuple(n for n in expert_names if n not in batch_names)
+    size = lambda names: math.prod(mesh.shape[n] for n in names)  # noqa: E731
+    if not expert_names or set(hidden_names) & set(batch_names) or x.shape[0] % size(batch_names):
+        return None
+    if (x.shape[0] // size(batch_names) * x.shape[1]) % size(split_names):
+        return None
+    return _ExpertParallel(mesh, batch_spec, expert_specs, expert_names, hidden_names, batch_names, split_names)
+
+
+def _routed_expert_parallel(moe: MoE, params: dict, x: jax.Array, config: MoEConfig,
+                            layout: _ExpertParallel) -> tuple[jax.Array, MoEStats]:
+    """The dropless path with tokens sent to their experts' devices (expert_dispatch.py), manual
+    over every mesh axis. Expert axes that do not split the batch split each shard's tokens
+    instead, so that every device routes distinct tokens; the outputs are gathered back."""
+    mesh = layout.mesh
+    plan = DispatchPlan(layout.expert_names, math.prod(mesh.shape[n] for n in layout.expert_names),
+                        layout.hidden_names, config.grouped_matmul, lowering_choices().interpret_kernels)
+    summed = layout.batch_names + layout.split_names
+    total = (lambda v: jax.lax.psum(v, summed)) if summed else (lambda v: v)
+
+    def path(moe, params, tokens, routing, config, batch):
+        y = dispatch_experts(moe, params, tokens, routing.experts, routing.weights, plan)
+        return y, jnp.zeros((), jnp.float32)
+
+    def per_device(p, x):
+        batch, seq, d_model = x.shape
+        tokens = x.reshape(1, batch * seq, d_model)
+        if layout.split_names:
+            share = batch * seq // math.prod(mesh.shape[n] for n in layout.split_names)
+            start = _shard_index(layout.split_names, mesh) * share
+            tokens = jax.lax.dynamic_slice_in_dim(tokens, start, share, axis=1)
+        y, stats = _routed(moe, p, tokens, config, total=total, path=path)
+        if layout.split_names:
+            y = jax.lax.all_gather(y, layout.split_names, axis=1, tiled=True)
+        return y.reshape(batch, seq, d_model), stats
+
+    param_specs = {"router": jax.tree.map(lambda _: PartitionSpec(), params["router"]),
+                   "experts": layout.expert_specs}
+    # check_vma off: as for megablox (a pallas_call's outputs carry no record of their mesh axes).
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(param_specs, layout.batch_spec),
+                         out_specs=(layout.batch_spec, PartitionSpec()), axis_names=frozenset(mesh.axis_names),
+                         check_vma=False)(params, x)
+
+
 def _routed_megablox(moe: MoE, params: dict, x: jax.Array, config: MoEConfig) -> tuple[jax.Array, MoEStats]:
     """The dropless path with megablox's kernel, fully manual under sharding rules (see megablox.py)."""
     active = active_rules()
@@ -330,18 +414,11 @@ def _routed_megablox(moe: MoE, params: dict, x: jax.Array, config: MoEConfig) ->
         return _routed(moe, params, x, config, total=identity, path=path)
     mesh, rules = active
 
-    def names_of(entry):
-        return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
     batch_spec = partition_spec(("batch", None, None), rules, mesh)
-    # The kernel wants every row's whole input: the embed dimension is gathered, not split.
-    expert_axes = jax.tree.map(lambda d: tuple(None if a == "embed" else a for a in d.axes),
-                               moe_defs(moe, x.shape[-1])["experts"], is_leaf=lambda d: hasattr(d, "axes"))
-    expert_specs = jax.tree.map(lambda axes: partition_spec(axes, rules, mesh), expert_axes,
-                                is_leaf=lambda a: isinstance(a, tuple))
+    expert_specs = _expert_specs(moe, x.shape[-1], rules, mesh)
     up_spec = expert_specs["up"]["kernel"]  # [experts, embed, mlp]
-    expert_names, hidden_names = names_of(up_spec[0]), names_of(up_spec[2])
-    batch_names = names_of(batch_spec[0])
+    expert_names, hidden_names = _names_of(up_spec[0]), _names_of(up_spec[2])
+    batch_names = _names_of(batch_spec[0])
     gathered = tuple(n for n in batch_names if n in expert_names + hidden_names)
     summed = tuple(n for n in expert_names + hidden_names if n not in gathered)
     local_experts = moe.experts // math.prod(mesh.shape[n] for n in expert_names)
