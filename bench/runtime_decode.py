@@ -1,13 +1,18 @@
-"""Decode speed at batch 1: `mxc generate` with an artifact's precompiled prefill and decode,
-against HuggingFace transformers' `generate` on the same weights, on this machine's CPU.
+"""Time to first token and decode speed at batch 1: `mxc generate` with an artifact's precompiled
+prefill and decode, against HuggingFace transformers' `generate` on the same weights, on this
+machine's CPU.
 
-A ~20M-parameter Llama is initialised randomly in transformers (seeded), saved as a HF
-checkpoint, imported with `mxc import-hf`, and compiled with `--serve` for batch 1. Both sides
-decode the same prompt greedily in float32; their tokens must agree. mxc's figures come from
-its own report (time to first token; decode tokens/s per user after it). transformers' decode
-rate is (N - 1) / (time for N new tokens - time for 1), each the best of `--repeats` warm runs.
+A Llama (a preset of runtime_common.MODELS) is initialised randomly in transformers (seeded),
+saved as a HF checkpoint, imported with `mxc import-hf` (float32), and compiled with `--serve`
+for batch 1. Both sides decode the same prompt greedily in float32; their tokens must agree.
+mxc's figures come from its own report (time to first token: request start to the first new
+token on the host, prefill included; decode tokens/s per user after it), one fresh `mxc
+generate` process per round. transformers' time to first token is one `generate` of one new
+token, its decode rate (N - 1) / (time for N new tokens - time for 1), warm. The sides alternate
+for `--rounds` rounds; the ratios are those of the medians.
 
-    .venv/bin/python bench/runtime_decode.py [--prompt 32] [--new 64] [--repeats 3] [--json out.json]
+    .venv/bin/python bench/runtime_decode.py [--model llama-20m] [--prompt 128] [--new 128]
+        [--rounds 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -15,28 +20,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from runtime_common import MXC, PYTHON, cpu_env, machine, run  # noqa: E402
-
-HF_CONFIG = {"vocab_size": 32000, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 12,
-             "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "rope_theta": 500000.0,
-             "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "tie_word_embeddings": True,
-             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+from runtime_common import MODELS, MXC, PYTHON, BenchModel, cpu_env, machine, run  # noqa: E402
 
 
-def make_hf_model(directory: Path):
+def make_hf_model(model: BenchModel, directory: Path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**HF_CONFIG)).eval()
-    model.save_pretrained(directory, safe_serialization=True)
-    return model
+    hf = LlamaForCausalLM(LlamaConfig(**model.hf_config())).eval()
+    hf.save_pretrained(directory, safe_serialization=True)
+    return hf
 
 
 def hf_generate(model, prompt, new: int):
@@ -47,69 +48,81 @@ def hf_generate(model, prompt, new: int):
                               use_cache=True, pad_token_id=0)
 
 
-def hf_timings(model, prompt, new: int, repeats: int) -> dict:
-    import torch
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    hf_generate(model, prompt, 2)  # warm-up
-    best = {}
-    for count in (1, new):
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            output = hf_generate(model, prompt, count)
-            times.append(time.perf_counter() - started)
-        best[count] = min(times)
-    return {"time_to_first_token_s": best[1], "decode_tokens_per_second_per_user": (new - 1) / (best[new] - best[1]),
+def hf_round(model, prompt, new: int) -> dict:
+    started = time.perf_counter()
+    hf_generate(model, prompt, 1)
+    first = time.perf_counter() - started
+    started = time.perf_counter()
+    output = hf_generate(model, prompt, new)
+    whole = time.perf_counter() - started
+    return {"time_to_first_token_s": first, "decode_tokens_per_second_per_user": (new - 1) / (whole - first),
             "tokens": output.numpy()}
 
 
-def mxc_timings(work: Path, prompt, new: int, repeats: int) -> dict:
+def mxc_build(work: Path, prompt_len: int, new: int) -> float:
+    run([MXC, "import-hf", str(work / "hf"), "-o", str(work / "model")])
+    started = time.perf_counter()
+    run([MXC, "compile", str(work / "model" / "model.mspec"), "--topology", "local", "--seq", str(prompt_len),
+         "--batch", "1", "--serve", "--serve-batch", "1", "--prompt-len", str(prompt_len),
+         "--cache-len", str(prompt_len + new), "-o", str(work / "artifact"), "--force"])
+    return time.perf_counter() - started
+
+
+def mxc_round(work: Path, new: int) -> dict:
     import numpy as np
 
-    run([MXC, "import-hf", str(work / "hf"), "-o", str(work / "model")])
-    prompt_len = prompt.shape[1]
-    started = time.perf_counter()
-    run([MXC, "compile", str(work / "model" / "model.mspec"), "--topology", "local", "--seq", "64", "--batch", "1",
-         "--serve", "--serve-batch", "1", "--prompt-len", str(prompt_len), "--cache-len", str(prompt_len + new),
-         "-o", str(work / "artifact"), "--force"])
-    compile_seconds = time.perf_counter() - started
-    np.save(work / "prompt.npy", prompt)
-    reports = []
-    for repeat in range(repeats):
-        report = work / f"report{repeat}.json"
-        run([PYTHON, "-m", "mxc.runtime", "generate", str(work / "artifact"), "--params", str(work / "model" / "params"),
-             "--prompt-tokens", str(work / "prompt.npy"), "--max-new", str(new), "--greedy",
-             "-o", str(work / "mxc_tokens.npy"), "--report", str(report)])
-        reports.append(json.loads(report.read_text()))
-    best = max(reports, key=lambda r: r["decode_tokens_per_second_per_user"])
-    return {"time_to_first_token_s": min(r["time_to_first_token_s"] for r in reports),
-            "decode_tokens_per_second_per_user": best["decode_tokens_per_second_per_user"],
-            "compile_seconds": round(compile_seconds, 1), "tokens": np.load(work / "mxc_tokens.npy")}
+    report = work / "report.json"
+    run([PYTHON, "-m", "mxc.runtime", "generate", str(work / "artifact"), "--params", str(work / "model" / "params"),
+         "--prompt-tokens", str(work / "prompt.npy"), "--max-new", str(new), "--greedy",
+         "-o", str(work / "mxc_tokens.npy"), "--report", str(report)])
+    timings = json.loads(report.read_text())
+    return {"time_to_first_token_s": timings["time_to_first_token_s"],
+            "decode_tokens_per_second_per_user": timings["decode_tokens_per_second_per_user"],
+            "tokens": np.load(work / "mxc_tokens.npy")}
+
+
+def medians(runs: list[dict]) -> dict:
+    return {key: round(statistics.median(r[key] for r in runs), 4)
+            for key in ("time_to_first_token_s", "decode_tokens_per_second_per_user")}
 
 
 def main() -> None:
     import numpy as np
+    import torch
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
-    parser.add_argument("--new", type=int, default=64, help="new tokens")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama-20m")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--new", type=int, default=128, help="new tokens")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--work", default=None)
     parser.add_argument("--json")
     args = parser.parse_args()
     os.environ.update(cpu_env())
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = MODELS[args.model]
     work = Path(args.work or tempfile.mkdtemp(prefix="mxc-bench-decode-"))
     work.mkdir(parents=True, exist_ok=True)
-    model = make_hf_model(work / "hf")
-    prompt = np.random.default_rng(0).integers(0, HF_CONFIG["vocab_size"], size=(1, args.prompt)).astype(np.int32)
-    mxc = mxc_timings(work, prompt, args.new, args.repeats)
-    hf = hf_timings(model, prompt, args.new, args.repeats)
-    same = bool(np.array_equal(mxc.pop("tokens"), hf.pop("tokens")))
-    result = {"model": "Llama, 20M parameters, float32", "batch": 1, "prompt_tokens": args.prompt,
-              "new_tokens": args.new, "mxc": mxc, "transformers": hf, "same_greedy_tokens": same,
-              "decode_speedup": round(mxc["decode_tokens_per_second_per_user"]
-                                      / hf["decode_tokens_per_second_per_user"], 2),
+    hf = make_hf_model(model, work / "hf")
+    prompt = np.random.default_rng(0).integers(0, model.vocab, size=(1, args.prompt)).astype(np.int32)
+    np.save(work / "prompt.npy", prompt)
+    compile_seconds = mxc_build(work, args.prompt, args.new)
+    hf_generate(hf, prompt, 2)  # warm-up
+    mxc_runs, hf_runs = [], []
+    for _ in range(args.rounds):  # interleaved, so a busy moment of the machine hits both sides
+        mxc_runs.append(mxc_round(work, args.new))
+        hf_runs.append(hf_round(hf, prompt, args.new))
+        print(f"mxc {medians(mxc_runs[-1:])}; transformers {medians(hf_runs[-1:])}", file=sys.stderr)
+    same = all(np.array_equal(m["tokens"], h["tokens"]) for m, h in zip(mxc_runs, hf_runs))
+    mxc, transformers = medians(mxc_runs), medians(hf_runs)
+    result = {"model": f"{args.model} ({model.parameters() / 1e6:.1f}M parameters, float32)", "batch": 1,
+              "prompt_tokens": args.prompt, "new_tokens": args.new, "rounds": args.rounds,
+              "mxc": {**mxc, "compile_seconds": round(compile_seconds, 1)}, "transformers": transformers,
+              "same_greedy_tokens": same,
+              "ttft_mxc_over_transformers": round(mxc["time_to_first_token_s"]
+                                                  / transformers["time_to_first_token_s"], 2),
+              "decode_mxc_over_transformers": round(mxc["decode_tokens_per_second_per_user"]
+                                                    / transformers["decode_tokens_per_second_per_user"], 2),
               "machine": machine()}
     print(json.dumps(result, indent=2))
     if args.json:

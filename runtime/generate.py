@@ -27,7 +27,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from mxc.runtime.sampling import Sampling, next_tokens
+from mxc.runtime.sampling import Sampling, next_tokens, warm
 
 PREFILL_FUNCTION, DECODE_FUNCTION = "prefill", "decode"
 PAD = -1  # a prompt array's filler after the tokens of a row shorter than the array
@@ -124,6 +124,7 @@ def generate(servable: Servable, params, prompts: np.ndarray, max_new: int, *,
     prefilled = np.minimum(lengths, prompt_len).astype(np.int32)
     padded = np.zeros((requests, max(width, prompt_len)), np.int32)
     padded[:, :width] = np.where(prompts == PAD, 0, prompts)
+    warm(servable.batch, servable.vocab_size, sampling, seed)
     started = time.perf_counter()
     outputs, first_token_times, decode_seconds, decoded = [], [], 0.0, 0
     groups = -(-requests // servable.batch)

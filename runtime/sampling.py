@@ -68,3 +68,11 @@ def next_tokens(logits: jax.Array, seed: jax.Array, requests: jax.Array, index: 
     keys = jax.vmap(lambda request, i: jax.random.fold_in(jax.random.fold_in(key, i), request))(requests, index)
     restricted = restrict(logits, sampling)
     return jax.vmap(jax.random.categorical)(keys, restricted).astype(jnp.int32)
+
+
+def warm(batch: int, vocab: int, sampling: Sampling, seed: int = 0) -> None:
+    """Compile the sampler for [batch, vocab] logits now, at load, so that the first request's
+    time to first token does not pay for it (tens of milliseconds on a CPU)."""
+    logits = jnp.zeros((batch, vocab), jnp.float32)
+    rows = jnp.arange(batch, dtype=jnp.int32)
+    jax.block_until_ready(next_tokens(logits, seed, rows, jnp.zeros(batch, jnp.int32), sampling=sampling))
