@@ -29,7 +29,7 @@ def _case_name(case) -> str:
     return "{}-{}layers-{}stages-{}micro-{}repeats".format(*case)
 
 
-def _child() -> dict:
+def _child(names: list[str]) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -45,7 +45,7 @@ def _child() -> dict:
 
     assert jax.device_count() == 8, jax.devices()
     report = {}
-    for case in CASES:
+    for case in [c for c in CASES if _case_name(c) in names]:
         model, layers, stages, microbatches, repeats = case
         spec = load_model(model)
         spec = spec.model_copy(update={"compute_dtype": "float32",
@@ -109,15 +109,27 @@ def _child() -> dict:
     return report
 
 
+# The default suite runs the first case (about 30 s of CPU); the others are slow tests.
+CASE_PARAMS = [pytest.param(c, id=_case_name(c), marks=() if i == 0 else pytest.mark.slow) for i, c in enumerate(CASES)]
+
+
 @pytest.fixture(scope="module")
-def report() -> dict:
-    return child_report(__file__, timeout=600, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-                        JAX_PLATFORMS="cpu")
+def reports() -> dict:
+    return {}
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_name)
-def test_pipeline_loss_and_gradients_equal_the_plain_scan(report, case):
-    run = report[_case_name(case)]
+def _report(reports: dict, case) -> dict:
+    """The child's measurements for one case (each case runs once per module)."""
+    name = _case_name(case)
+    if name not in reports:
+        reports[name] = child_report(__file__, name, timeout=900, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+                                     JAX_PLATFORMS="cpu")[name]
+    return reports[name]
+
+
+@pytest.mark.parametrize("case", CASE_PARAMS)
+def test_pipeline_loss_and_gradients_equal_the_plain_scan(reports, case):
+    run = _report(reports, case)
     pipelined, plain = run["loss"]
     assert plain > 1.0  # a real cross entropy over 512 tokens, not zeros
     assert pipelined == pytest.approx(plain, rel=1e-5)
@@ -127,10 +139,11 @@ def test_pipeline_loss_and_gradients_equal_the_plain_scan(report, case):
     assert run["collective_permute"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] == "moe-tiny"], ids=_case_name)
-def test_pipeline_moe_statistics_equal_the_plain_scan(report, case):
+def test_pipeline_moe_statistics_equal_the_plain_scan(reports, case):
     model, layers, *_ = case
-    run = report[_case_name(case)]
+    run = _report(reports, case)
     assert run["moe_blocks"] == 1 and run["stat_layers"] == [layers]  # one row per layer, in flat order
     assert run["load_total"] > 0
     assert run["load_max_abs_diff"] == 0.0  # whole assignment counts
@@ -152,4 +165,6 @@ def test_layout_refuses_what_it_cannot_schedule():
 
 
 if __name__ == "__main__":
-    print(json.dumps(_child()))
+    import sys
+
+    print(json.dumps(_child(sys.argv[1:])))
