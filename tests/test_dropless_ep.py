@@ -1,0 +1,31 @@
+"""Dropless routing with expert parallelism (compiler/lower/expert_dispatch.py): on 8 virtual CPU
+devices with expert axes of 2 and 4, outputs, loss and gradients equal the one-device dropless
+path and the capacity path with room for every assignment (tests/children/dropless_ep.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from runtime_support import child, cpu_env
+
+
+def _run(*families: str) -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = cpu_env(8, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run(child("dropless_ep", *families), capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0 and "dropless ep ok" in result.stdout, result.stdout[-2000:] + result.stderr[-4000:]
+
+
+def test_dropless_expert_parallel_matches_one_device():
+    """DeepSeek V3's router: sigmoid scores, groups, correction bias, shared experts."""
+    _run("deepseek3")
+
+
+@pytest.mark.slow
+def test_dropless_expert_parallel_matches_one_device_for_every_router():
+    """Softmax top-k (Mixtral), expert biases (GPT-OSS), weights on the input (Llama 4), softmax
+    groups with a routed scale (DeepSeek V2)."""
+    _run("mixtral", "gpt_oss", "llama4", "deepseek2")
