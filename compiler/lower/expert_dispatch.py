@@ -7,8 +7,7 @@ tokens, sorts its own assignments by expert (which groups them by destination de
 device holds a contiguous block of experts), and sends each destination its rows with one
 all-to-all over the expert axes. The receiver sorts what arrived by its local expert id (again a
 local sort: nothing sorts the global batch), runs the experts' feed-forward as grouped matmuls
-(jax.lax.ragged_dot, or megablox's kernel on TPU, where XLA runs ragged_dot over every expert),
-and a second all-to-all brings the outputs back to the tokens' devices, where the routing weights
+(jax.lax.ragged_dot), and a second all-to-all brings the outputs back to the tokens' devices, where the routing weights
 combine them.
 
 The all-to-all is dense: each destination gets a buffer with room for every assignment of the
@@ -25,7 +24,6 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from mxc.compiler.lower import megablox
 from mxc.compiler.lower.expert_rows import sort_assignments
 from mxc.compiler.lower.ffn import hidden_activation
 from mxc.compiler.lower.projection import weight
@@ -37,8 +35,6 @@ class DispatchPlan:
     expert_axes: tuple[str, ...]  # the mesh axes the experts are split over (row-major order)
     shards: int  # devices along them
     hidden_axes: tuple[str, ...]  # mesh axes splitting the experts' hidden units (summed after `down`)
-    grouped_matmul: str  # "ragged_dot" or "megablox"
-    interpret: bool = False  # megablox in Pallas' interpreter (off TPU)
 
 
 def _exchange(buffer: jax.Array, plan: DispatchPlan) -> jax.Array:
@@ -60,8 +56,6 @@ def _local_ffn(moe: MoE, params: dict, rows: jax.Array, ids: jax.Array, plan: Di
 
     def matmul(name, inputs):
         kernel = weight(params[name], dtype, mlp=True, contracting=(1,))
-        if plan.grouped_matmul == "megablox":
-            return megablox.grouped_matmul(inputs, kernel, group_sizes, jnp.zeros((), jnp.int32), plan.interpret)
         return jnp.where(valid[:, None], jax.lax.ragged_dot(inputs, kernel, group_sizes), 0)
 
     def project(name, inputs):
@@ -107,3 +101,6 @@ def dispatch_experts(moe: MoE, params: dict, x: jax.Array, experts: jax.Array, w
         out_sorted = out_sorted * sorted_rows.weights
     unsorted = out_sorted[jnp.argsort(sorted_rows.order)]
     return unsorted.reshape(experts.shape[0], -1, out_sorted.shape[-1]).sum(axis=1)
+
+# Not done: megablox's kernel as the grouped matmul here (moe.py keeps megablox on its own
+# layout), and jax.lax.ragged_all_to_all in place of the dense buffers where the platform has it.

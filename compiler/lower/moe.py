@@ -283,7 +283,9 @@ def moe_layer(moe: MoE, params: dict, x: jax.Array, config: MoEConfig = MoEConfi
         raise ValueError(f"unknown expert path {config.path!r}; choose one of {', '.join(EXPERT_PATHS)}")
     routed_params = {"router": params["router"], "experts": params["experts"]}
     split = _batch_split(x.shape[0])
-    expert_parallel = _expert_parallel_layout(moe, x) if config.path == "dropless" else None
+    # megablox keeps its own layout (below): the dispatch's buffers would double its rows.
+    dropless_ragged = config.path == "dropless" and config.grouped_matmul == "ragged_dot"
+    expert_parallel = _expert_parallel_layout(moe, x) if dropless_ragged else None
     if expert_parallel is not None:
         y, stats = _routed_expert_parallel(moe, routed_params, x, config, expert_parallel)
     elif config.path == "dropless" and config.grouped_matmul == "megablox":
@@ -376,7 +378,7 @@ def _routed_expert_parallel(moe: MoE, params: dict, x: jax.Array, config: MoECon
     instead, so that every device routes distinct tokens; the outputs are gathered back."""
     mesh = layout.mesh
     plan = DispatchPlan(layout.expert_names, math.prod(mesh.shape[n] for n in layout.expert_names),
-                        layout.hidden_names, config.grouped_matmul, lowering_choices().interpret_kernels)
+                        layout.hidden_names)
     summed = layout.batch_names + layout.split_names
     total = (lambda v: jax.lax.psum(v, summed)) if summed else (lambda v: v)
 
@@ -398,7 +400,8 @@ def _routed_expert_parallel(moe: MoE, params: dict, x: jax.Array, config: MoECon
 
     param_specs = {"router": jax.tree.map(lambda _: PartitionSpec(), params["router"]),
                    "experts": layout.expert_specs}
-    # check_vma off: as for megablox (a pallas_call's outputs carry no record of their mesh axes).
+    # check_vma off: as for the batch shards in moe_layer (XLA:CPU's compiler crashes on the
+    # gradient of such a region inside the scanned layers).
     return jax.shard_map(per_device, mesh=mesh, in_specs=(param_specs, layout.batch_spec),
                          out_specs=(layout.batch_spec, PartitionSpec()), axis_names=frozenset(mesh.axis_names),
                          check_vma=False)(params, x)
