@@ -27,7 +27,9 @@ The dropless path's grouped matmul is jax.lax.ragged_dot, which XLA partitions b
 with JAX: XLA's TPU backend runs ragged_dot as one masked matmul over every expert (megablox.py).
 
 Experts carry the logical axis `experts` on every weight, so expert parallelism is the sharding
-rule `experts -> expert`; routing statistics come back per layer for the load-balancing loss
+rule `experts -> expert`. Where it splits the experts, the dropless path with ragged_dot sends
+each device's tokens to the devices holding their experts with all-to-alls (expert_dispatch.py);
+routing statistics come back per layer for the load-balancing loss
 and for DeepSeek V3's bias update (`update_correction_biases`).
 """
 
@@ -276,7 +278,8 @@ def moe_layer(moe: MoE, params: dict, x: jax.Array, config: MoEConfig = MoEConfi
     Under sharding rules that split the batch, routing and routed experts run per batch shard
     (a shard_map, manual over the batch's mesh axes): each shard sorts or dispatches only its own
     tokens, where one global sort or top-k would gather every token onto every data-parallel
-    replica. The expert weights stay under XLA's partitioner, which splits the expert matmuls
+    replica. The dropless path with ragged_dot and split experts sends tokens to their experts'
+    devices instead (_routed_expert_parallel). Otherwise the expert weights stay under XLA's partitioner, which splits the expert matmuls
     along a sharded `experts` axis and sums the partial results: expert parallelism is the
     sharding rule `experts -> expert`, not different code."""
     if config.path not in PATHS:
