@@ -135,7 +135,7 @@ def test_pipeline_loss_and_gradients_equal_the_plain_scan(reports, case):
     assert pipelined == pytest.approx(plain, rel=1e-5)
     assert run["grad_max_abs"] > 1e-4
     assert run["grad_max_abs_diff"] <= 1e-4 * run["grad_max_abs"]
-    # The stages' rotation is a collective-permute between the devices of the stage axis.
+    # The stage dimension is really split: activations move between stage devices by collective-permute.
     assert run["collective_permute"]
 
 
