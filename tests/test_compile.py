@@ -92,13 +92,14 @@ def test_train_step_leaves_shardings_and_donation(manifest):
 
 def test_memory_analysis_against_the_parameter_count(manifest):
     """Argument bytes per device: weights and two Adam moments in float32, all split 8 ways along
-    `embed` by the FSDP plan, plus the batch's share and a few replicated counters."""
+    `embed` by the FSDP plan, plus the batch's share (inputs, targets, mask, segment ids,
+    positions) and a few replicated scalars (counters, the step's learning rate)."""
     from mxc.compiler.analysis import summarize
     from mxc.spec.load import load_model
 
     params = summarize(load_model("llama3-tiny")).total_params
     state_bytes = 3 * params * 4 // 8
-    batch_bytes = 3 * 8 * 32 * 4 // 8
+    batch_bytes = 5 * 8 * 32 * 4 // 8
     memory = manifest["functions"]["train_step"]["memory"]
     assert state_bytes + batch_bytes <= memory["argument_bytes"] <= state_bytes + batch_bytes + 64
     # The donated state comes back in the same buffers.
@@ -148,7 +149,9 @@ def test_unchanged_model_comes_from_the_compile_cache(tiny, base, tmp_path):
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
     assert summary["cached"] is True
-    assert summary["seconds"] < 5, summary["seconds"]  # inside the command: no compile at all
+    # Inside the command: no compile at all ("cached" above is the check; this bounds the time a
+    # loaded machine may add to reading the artifact back).
+    assert summary["seconds"] < 10, summary["seconds"]
     assert elapsed < 30  # with the interpreter's start-up, on a loaded machine
     assert (tmp_path / "again" / "manifest.json").read_bytes() == (tiny / "manifest.json").read_bytes()
 

@@ -16,12 +16,13 @@ from jax.ad_checkpoint import checkpoint_name
 from mxc.compiler.lower.attention_core import attend
 from mxc.compiler.lower.norms import apply_norm
 from mxc.compiler.lower.projection import project
+from mxc.compiler.lower.remat import CONTEXT  # its word is also a mesh axis's name: one spelling
 from mxc.compiler.quant import kv_cache
 from mxc.compiler.lower.rope import apply_rope, rope_angles
 from mxc.compiler.lower.sharding import RESIDUAL_AXES, constrain
 from mxc.compiler.lower.stacking import heads_unsplit, project_joined, project_pair, stacked_projections
 
-CHECKPOINT_NAMES = ("query_proj", "key_proj", "value_proj", "context", "out_proj")
+CHECKPOINT_NAMES = ("query_proj", "key_proj", "value_proj", CONTEXT, "out_proj")
 
 
 def _project(x, params, dtype, pattern):
@@ -75,7 +76,7 @@ def attention_layer(att, params: dict, x: jax.Array, positions: jax.Array, *, ca
     context = attend(q, k, v, q_positions=positions, kv_positions=kv_positions, scale=scalar ** -0.5,
                      window=att.window, chunk=att.chunk, softcap=att.softcap,
                      sinks=params.get("sinks"), segment_ids=segment_ids, impl=impl)
-    context = checkpoint_name(context, "context")
+    context = checkpoint_name(context, CONTEXT)
     out = _project(context, params["o"], dtype, "bshd,hde->bse")
     out = checkpoint_name(constrain(out, RESIDUAL_AXES), "out_proj")
     return out, new_cache

@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec
 from pydantic import BaseModel, ConfigDict, NonNegativeFloat, PositiveFloat
 
 from mxc.compiler.lower import megablox
-from mxc.compiler.lower.choices import lowering_choices
+from mxc.compiler.lower.choices import lowering_choices, use_lowering
 from mxc.compiler.lower.expert_dispatch import DispatchPlan, dispatch_experts
 from mxc.compiler.lower.expert_rows import expert_ffn, sort_assignments
 from mxc.compiler.lower.ffn import ffn_layer, hidden_activation
@@ -297,10 +297,13 @@ def moe_layer(moe: MoE, params: dict, x: jax.Array, config: MoEConfig = MoEConfi
         y, stats = _routed(moe, routed_params, x, config, total=lambda v: v)
     else:
         mesh, inner_rules, names, spec = split
+        # Inside, the active mesh is abstract (no devices to read the platform from): the body
+        # keeps the lowering choices of the concrete mesh outside.
+        choices = lowering_choices()
 
         def per_shard(p, x):
             # Constraints inside name the mesh as shard_map sees it, its batch axes manual.
-            with use_rules(jax.sharding.get_abstract_mesh(), inner_rules):
+            with use_rules(jax.sharding.get_abstract_mesh(), inner_rules), use_lowering(choices):
                 return _routed(moe, p, x, config, total=lambda v: jax.lax.psum(v, names))
 
         # check_vma off: with it, the gradient of this region inside the scanned layers crashes

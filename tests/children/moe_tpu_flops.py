@@ -45,8 +45,9 @@ def main() -> None:
     useful = batch // 2 * seq * moe.top_k * 3 * 2 * d_model * 1024 / 2
     print("flops", flops, "useful", useful)
     # megablox's cost estimate counts every row of the shard (its grid skips other devices'
-    # experts); XLA's ragged_dot runs every local expert over every row.
-    assert flops["megablox"] <= 2.1 * useful and flops["ragged_dot"] >= 4 * flops["megablox"], flops
+    # experts); XLA's ragged_dot runs every local expert over every row it is sent (about 4x
+    # megablox here: 3.98x since the dropless path dispatches rows to their experts' devices).
+    assert flops["megablox"] <= 2.1 * useful and flops["ragged_dot"] >= 3.5 * flops["megablox"], flops
     print("tpu ok")
 
 
