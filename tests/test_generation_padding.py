@@ -79,7 +79,7 @@ def _padded(rows: list[list[int]], width: int) -> np.ndarray:
     return prompts
 
 
-@pytest.mark.parametrize("model", ["windowed", "mla-tiny"])
+@pytest.mark.parametrize("model", ["windowed", pytest.param("mla-tiny", marks=pytest.mark.slow)])
 def test_short_prompts_of_mixed_lengths_give_the_unpadded_greedy_tokens(model):
     spec = load_text(WINDOWED)["windowed"] if model == "windowed" else load_model(model)
     params = _random_params(spec)
@@ -95,7 +95,7 @@ def test_short_prompts_of_mixed_lengths_give_the_unpadded_greedy_tokens(model):
         assert tokens[i, 7:].tolist() == _reference_greedy(spec, params, row, max_new), i
 
 
-@pytest.mark.parametrize("model", ["windowed", "mla-tiny"])
+@pytest.mark.parametrize("model", ["windowed", pytest.param("mla-tiny", marks=pytest.mark.slow)])
 def test_prompts_longer_than_the_prefill_are_fed_through_decode_steps(model):
     """Rows past prompt_len go on through decode steps while the shorter rows of their group already
     generate: each still gets the unpadded greedy tokens."""
