@@ -36,7 +36,8 @@ def golden_files() -> dict[str, callable]:
     from mxc.spec import zoo_names
 
     files = {f"ir/{name}.json": (lambda name=name: ir_text(name)) for name in zoo_names()}
-    for recipe in RECIPES:
+    for entry in RECIPES:
+        recipe = tuple(getattr(entry, "values", entry))  # a pytest.param (marked) or a plain tuple
         model, topology, slices, seq, batch = recipe
         files[f"plans/{model}_{topology}x{slices}_seq{seq}_batch{batch}.json"] = (
             lambda recipe=recipe: plan_text(*recipe))

@@ -216,7 +216,8 @@ def test_resume_onto_an_artifact_with_another_plan(workdir, artifact, tokens, re
     # Another layout sums in another order: the first step after the restore equals the
     # reference up to float rounding; each update then compounds the rounding (measured 1.6e-4
     # relative by step 60), far below what other parameters or data give (the second digit).
-    np.testing.assert_allclose(resumed[41], expected[41], rtol=1e-5)
+    # (1.5e-5 relative measured at step 41 with data 2 x fsdp 2 x tensor 2.)
+    np.testing.assert_allclose(resumed[41], expected[41], rtol=5e-5)
     np.testing.assert_allclose([resumed[s] for s in range(42, STEPS + 1)],
                                [expected[s] for s in range(42, STEPS + 1)], rtol=1e-3)
 

@@ -152,6 +152,12 @@ def rank(item: Scored) -> tuple:
             sequence_parallel(item.choice.rules), item.memory.total)
 
 
+def uses_memory_lever(item: Scored) -> bool:
+    from mxc.compiler.lower.remat import needs_host_memory
+
+    return needs_host_memory(item.choice.remat) or sequence_parallel(item.choice.rules)
+
+
 def fastest_fitting(spec: ModelSpec, params: Parameters, topology: Topology, seq: int, batch: int,
                     pins: Mapping[str, int]) -> Scored | None:
     best = None
