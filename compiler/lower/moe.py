@@ -356,6 +356,16 @@ class _ExpertParallel(NamedTuple):
     split_names: tuple[str, ...]  # expert axes that do not split the batch: they split each shard's tokens
 
 
+def _manual_layout(moe: MoE, x: jax.Array, rules, mesh):
+    """(batch spec, expert weights' specs, mesh axes of the experts, of the hidden units, of the
+    batch) for a region manual over every mesh axis."""
+    batch_spec = partition_spec(("batch", None, None), rules, mesh)
+    expert_specs = _expert_specs(moe, x.shape[-1], rules, mesh)
+    up_spec = expert_specs["up"]["kernel"]  # [experts, embed, mlp]
+    return (batch_spec, expert_specs, _names_of(up_spec[0]), _names_of(up_spec[2]),
+            _names_of(batch_spec[0]))
+
+
 def _expert_parallel_layout(moe: MoE, x: jax.Array) -> _ExpertParallel | None:
     """How the dropless path runs with the experts split over mesh axes (expert_dispatch.py), or
     None when the active rules do not split the experts or the shapes do not divide."""
@@ -363,11 +373,7 @@ def _expert_parallel_layout(moe: MoE, x: jax.Array) -> _ExpertParallel | None:
     if active is None:
         return None
     mesh, rules = active
-    batch_spec = partition_spec(("batch", None, None), rules, mesh)
-    expert_specs = _expert_specs(moe, x.shape[-1], rules, mesh)
-    up_spec = expert_specs["up"]["kernel"]  # [experts, embed, mlp]
-    expert_names, hidden_names = _names_of(up_spec[0]), _names_of(up_spec[2])
-    batch_names = _names_of(batch_spec[0])
+    batch_spec, expert_specs, expert_names, hidden_names, batch_names = _manual_layout(moe, x, rules, mesh)
     split_names = tuple(n for n in expert_names if n not in batch_names)
     size = lambda names: math.prod(mesh.shape[n] for n in names)  # noqa: E731
     if not expert_names or set(hidden_names) & set(batch_names) or x.shape[0] % size(batch_names):
@@ -423,11 +429,7 @@ def _routed_megablox(moe: MoE, params: dict, x: jax.Array, config: MoEConfig) ->
         return _routed(moe, params, x, config, total=identity, path=path)
     mesh, rules = active
 
-    batch_spec = partition_spec(("batch", None, None), rules, mesh)
-    expert_specs = _expert_specs(moe, x.shape[-1], rules, mesh)
-    up_spec = expert_specs["up"]["kernel"]  # [experts, embed, mlp]
-    expert_names, hidden_names = _names_of(up_spec[0]), _names_of(up_spec[2])
-    batch_names = _names_of(batch_spec[0])
+    batch_spec, expert_specs, expert_names, hidden_names, batch_names = _manual_layout(moe, x, rules, mesh)
     gathered = tuple(n for n in batch_names if n in expert_names + hidden_names)
     summed = tuple(n for n in expert_names + hidden_names if n not in gathered)
     local_experts = moe.experts // math.prod(mesh.shape[n] for n in expert_names)
