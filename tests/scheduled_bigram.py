@@ -24,8 +24,6 @@ def scheduled_bigram(flops_per_step: float | None = None, peak_flops: float | No
     """logits[t] = table[inputs[t]], trained with clipped AdamW at the rate it is given."""
     config = OptimizerConfig(**{k: v for k, v in ARTIFACT_OPTIMIZER.items() if v is not None})
     optimizer = make_optimizer(config)
-    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    replicated = NamedSharding(mesh, PartitionSpec())
 
     def sums(params, batch):
         return loss_sums(params["table"][batch["inputs"]], batch["targets"], batch["mask"])
@@ -42,14 +40,24 @@ def scheduled_bigram(flops_per_step: float | None = None, peak_flops: float | No
     def eval_step(params, batch):
         return loss_metrics(sums(params, batch))
 
-    def init(seed):
-        params = {"table": jax.random.normal(jax.random.key(seed), (VOCAB, VOCAB)) * 0.01}
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+    return single_device_trainable(table_init(optimizer, VOCAB), train_step, eval_step, VOCAB,
+                                   flops_per_step=flops_per_step, peak_flops=peak_flops, identity={"model": "bigram"})
 
+
+def table_init(optimizer, vocab: int):
+    """The state of a bigram table of `vocab` x `vocab` logits, small and random, with `optimizer`'s state."""
+    def init(seed):
+        params = {"table": jax.random.normal(jax.random.key(seed), (vocab, vocab)) * 0.01}
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+    return init
+
+
+def single_device_trainable(init, train_step, eval_step, vocab: int, **fields) -> Trainable:
+    """A model jitted on the first device as the loop sees it: the state replicated, batches of BATCH x SEQ."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    replicated = NamedSharding(mesh, PartitionSpec())
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                             jax.eval_shape(init, 0))
     layout = BatchLayout(BATCH, SEQ, NamedSharding(mesh, PartitionSpec("data")))
     return Trainable(init=init, train_step=train_step, eval_step=eval_step, abstract_state=abstract, layout=layout,
-                     eval_layout=layout, vocab_size=VOCAB, flops_per_step=flops_per_step, peak_flops=peak_flops,
-                     identity={"model": "bigram"})
-
+                     eval_layout=layout, vocab_size=vocab, **fields)

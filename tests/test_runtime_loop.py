@@ -13,14 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mxc.runtime.checkpoint import Checkpoints
-from mxc.runtime.data import BatchLayout
 from mxc.runtime.loop import LoopConfig, NonFiniteLossError, StopSignal, TrainingRun
 from mxc.runtime.metrics import MetricsLog, model_flops_utilisation
 from mxc.runtime.token_file import open_tokens, write_tokens
 from mxc.runtime.trainable import Trainable
+
+from scheduled_bigram import single_device_trainable, table_init
 
 VOCAB, BATCH, SEQ = 32, 4, 8
 
@@ -29,8 +29,6 @@ def _bigram_trainable(*, poison_at_step: int | None = None, flops_per_step=None,
     """logits[t] = table[inputs[t]]; Adam. With `poison_at_step`, the update applied at that step
     turns the table to NaN, as a diverging run would."""
     optimizer = optax.adam(0.1)
-    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    replicated = NamedSharding(mesh, PartitionSpec())
 
     def loss_fn(params, batch):
         logits = params["table"][batch["inputs"]]
@@ -54,17 +52,8 @@ def _bigram_trainable(*, poison_at_step: int | None = None, flops_per_step=None,
         loss, mask = loss_fn(params, batch)
         return {"loss": loss, "accuracy": jnp.float32(0.0), "tokens": jnp.sum(mask)}
 
-    def init(seed):
-        table = jax.random.normal(jax.random.key(seed), (VOCAB, VOCAB)) * 0.01
-        params = {"table": table}
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
-
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-                            jax.eval_shape(init, 0))
-    layout = BatchLayout(BATCH, SEQ, NamedSharding(mesh, PartitionSpec("data")))
-    return Trainable(init=init, train_step=train_step, eval_step=eval_step, abstract_state=abstract, layout=layout,
-                     eval_layout=layout, vocab_size=VOCAB, flops_per_step=flops_per_step, peak_flops=peak_flops,
-                     identity={"model": "bigram"})
+    return single_device_trainable(table_init(optimizer, VOCAB), train_step, eval_step, VOCAB,
+                                   flops_per_step=flops_per_step, peak_flops=peak_flops, identity={"model": "bigram"})
 
 
 @pytest.fixture

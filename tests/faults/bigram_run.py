@@ -2,6 +2,8 @@
 for fault tests in this process or in a child process: no artifact, no compile."""
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -9,13 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mxc.runtime.checkpoint import Checkpoints
-from mxc.runtime.data import BatchLayout
 from mxc.runtime.loop import LoopConfig, StopSignal, TrainingRun
 from mxc.runtime.token_file import open_tokens, write_tokens
 from mxc.runtime.trainable import Trainable
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # scheduled_bigram lives in tests/
+from scheduled_bigram import single_device_trainable, table_init  # noqa: E402
 
 BATCH, SEQ = 4, 8
 LLAMA = {"model": "llama3-tiny", "spec_hash": "3f2a" * 16, "topology": "cpu-1"}
@@ -24,7 +27,6 @@ QWEN = {"model": "qwen2.5-tiny", "spec_hash": "9b1c" * 16, "topology": "cpu-1"}
 
 def bigram(identity: dict, vocab: int = 32) -> Trainable:
     optimizer = optax.adam(0.1)
-    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
 
     @jax.jit
     def train_step(state, batch):
@@ -37,16 +39,7 @@ def bigram(identity: dict, vocab: int = 32) -> Trainable:
         return ({"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
                  "opt_state": opt_state}, {"loss": loss})
 
-    def init(seed):
-        params = {"table": jax.random.normal(jax.random.key(seed), (vocab, vocab)) * 0.01}
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
-
-    replicated = NamedSharding(mesh, PartitionSpec())
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-                            jax.eval_shape(init, 0))
-    layout = BatchLayout(BATCH, SEQ, NamedSharding(mesh, PartitionSpec("data")))
-    return Trainable(init=init, train_step=train_step, eval_step=None, abstract_state=abstract, layout=layout,
-                     eval_layout=layout, vocab_size=vocab, identity=identity)
+    return single_device_trainable(table_init(optimizer, vocab), train_step, None, vocab, identity=identity)
 
 
 def token_file(path, length: int = 2000):
