@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from mxc.compiler.kinds import kind_of
+from mxc.compiler.kinds.vision import param_count as vision_param_count
 from mxc.spec.ir import Block, LayerNorm, ModelSpec, RMSNorm
 
 
@@ -70,6 +71,7 @@ class Summary:
     total_params: int
     active_params: int
     mtp_params: int
+    vision_params: int  # the vision tower and its projector, included in total_params
     embedding_params: int
     num_layers: int
     layer_pattern: list[dict]
@@ -89,8 +91,9 @@ def summarize(spec: ModelSpec, seq: int | None = None) -> Summary:
     embedding = spec.vocab * d
     head = 0 if spec.embedding.tied else spec.vocab * d
     base = embedding + head + norm_params(spec.final_norm, d)
-    total = base + sum(counts[k].total for k in spec.layer_kinds)
-    active = base + sum(counts[k].active for k in spec.layer_kinds)
+    vision = vision_param_count(spec)
+    total = base + sum(counts[k].total for k in spec.layer_kinds) + vision
+    active = base + sum(counts[k].active for k in spec.layer_kinds) + vision  # the tower is dense
     mtp = 0
     if spec.mtp is not None:
         # Each module: two input norms, the 2d -> d projection, one block, its output norm;
@@ -120,6 +123,7 @@ def summarize(spec: ModelSpec, seq: int | None = None) -> Summary:
         }
     return Summary(
         name=spec.name, total_params=total, active_params=active, mtp_params=mtp,
+        vision_params=vision,
         embedding_params=embedding, num_layers=spec.num_layers,
         layer_pattern=[{"period": list(s.period), "repeat": s.repeat} for s in spec.layers],
         layer_kinds=kinds, flops_seq=seq,

@@ -113,7 +113,8 @@ model gemma3-1b {
 }
 
 # The larger Gemma 3s use a longer window, and linear RoPE scaling (x8) on the global layers.
-model gemma3-4b extends gemma3-1b {
+# Their text halves are the `-text` models; the full models add the SigLIP so400m vision tower.
+model gemma3-4b-text extends gemma3-1b {
   vocab = 262208
   d_model = 2560
   max_seq = 131072
@@ -132,7 +133,7 @@ model gemma3-4b extends gemma3-1b {
   layers = (local x 5, global) x 5, local x 4
 }
 
-model gemma3-12b extends gemma3-4b {
+model gemma3-12b-text extends gemma3-4b-text {
   d_model = 3840
   block local {
     attention.heads = 16
@@ -147,7 +148,7 @@ model gemma3-12b extends gemma3-4b {
   layers = (local x 5, global) x 8
 }
 
-model gemma3-27b extends gemma3-4b {
+model gemma3-27b-text extends gemma3-4b-text {
   d_model = 5376
   block local {
     attention.heads = 32
@@ -164,4 +165,32 @@ model gemma3-27b extends gemma3-4b {
     mlp.hidden = 21504
   }
   layers = (local x 5, global) x 10, local x 2
+}
+
+# SigLIP so400m at 896 pixels: 64x64 patches of 14 pixels, 27 bidirectional layers; Gemma 3's
+# projector average-pools the grid to 16x16 = 256 soft tokens, which replace the 256 image
+# placeholders the processor writes between the begin- and end-of-image tokens.
+let siglip_so400m = vision(image = 896, d_model = 1152,
+                           patches = patches(size = 14, stride = 14, channels = 3),
+                           positions = learned(),
+                           block = encoder(attention = mha(heads = 16, head_dim = 72, rope = none,
+                                                           qkv_bias = true, out_bias = true),
+                                           mlp = mlp(hidden = 4304, act = gelu_tanh, bias = true),
+                                           norm = layernorm(eps = 1e-6)),
+                           layers = 27, final_norm = layernorm(eps = 1e-6),
+                           projector = avg_pool(tokens = 256,
+                                                norm = rmsnorm(eps = 1e-6, zero_centered = true)),
+                           entry = placeholder(token = 262144, begin = 255999, end = 256000,
+                                               bidirectional = true))
+
+model gemma3-4b extends gemma3-4b-text {
+  vision = siglip_so400m
+}
+
+model gemma3-12b extends gemma3-12b-text {
+  vision = siglip_so400m
+}
+
+model gemma3-27b extends gemma3-27b-text {
+  vision = siglip_so400m
 }

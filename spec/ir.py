@@ -260,6 +260,88 @@ class MTP(Node):
     loss_weight: PositiveFloat
 
 
+# ---------------------------------------------------------------- vision towers
+# A tower turns an image into embeddings the text model reads: patches, positions, an encoder of
+# `layers` blocks (the same attention/feed-forward/norm kinds as the text model; every patch sees
+# every other), a final norm, a projector to the text model's d_model, and an entry saying where
+# the projected tokens go in the text. Further position, projector and entry kinds (2D RoPE, pixel
+# shuffle with an adapter MLP, cross-attention layers) join the unions below.
+
+class Patches(Node):
+    """Square patches cut from the image and projected to the tower's width (a convolution with
+    kernel `size` and `stride`, as SigLIP and ViT write it)."""
+
+    kind: Literal["patches"] = "patches"
+    size: PositiveInt  # pixels per patch side
+    stride: PositiveInt  # pixels between patch starts; equal to size for non-overlapping patches
+    channels: PositiveInt = 3
+    bias: bool = True
+
+
+class LearnedPositions(Node):
+    """One learned vector per patch position, added to the patch embeddings (SigLIP, ViT)."""
+
+    kind: Literal["learned"] = "learned"
+
+
+VisionPositions = LearnedPositions  # a union (discriminated on kind) once a second kind joins
+
+
+class EncoderBlock(Block):
+    """One vision encoder layer: a pre-norm block whose attention is bidirectional over the image."""
+
+    kind: Literal["encoder"] = "encoder"
+
+
+class PooledProjector(Node):
+    """Gemma 3: the patch grid average-pooled to `tokens` soft tokens (a square grid), normalised,
+    then projected linearly to the text model's d_model."""
+
+    kind: Literal["avg_pool"] = "avg_pool"
+    tokens: PositiveInt  # soft tokens per image (mm_tokens_per_image)
+    norm: Norm
+    bias: bool = False
+
+
+Projector = PooledProjector  # a union (discriminated on kind) once a second kind joins
+
+
+class ImagePlaceholders(Node):
+    """The projected image tokens replace the embeddings of the `token` placeholders that the
+    processor writes into the text (between `begin` and `end`, one placeholder per soft token)."""
+
+    kind: Literal["placeholder"] = "placeholder"
+    token: int = Field(ge=0)
+    begin: int | None = Field(default=None, ge=0)
+    end: int | None = Field(default=None, ge=0)
+    # Gemma 3: one image's tokens see each other both ways; the text stays causal.
+    bidirectional: bool = False
+
+
+ImageEntry = ImagePlaceholders  # a union (discriminated on kind) once a second kind joins
+
+
+class VisionTower(Node):
+    kind: Literal["vision"] = "vision"
+    image: PositiveInt  # side of the square input image, in pixels
+    d_model: PositiveInt  # the encoder's width
+    patches: Patches
+    positions: VisionPositions | None
+    block: EncoderBlock
+    layers: PositiveInt
+    final_norm: Norm | None
+    projector: Projector
+    entry: ImageEntry
+
+    @property
+    def patches_per_side(self) -> int:
+        return (self.image - self.patches.size) // self.patches.stride + 1
+
+    @property
+    def num_patches(self) -> int:
+        return self.patches_per_side ** 2
+
+
 class ModelSpec(Node):
     name: str
     vocab: PositiveInt
@@ -276,13 +358,15 @@ class ModelSpec(Node):
     shard: dict[LogicalAxis, tuple[MeshAxis, ...]] = {}
     mesh: dict[MeshAxis, PositiveInt] = {}
     quantize: QuantizationName | None = None
+    vision: VisionTower | None = None  # an image encoder and how its output enters the text
 
     @model_serializer(mode="wrap")
     def _without_unset_quantize(self, handler):
-        # Absent unless given, so specs without it keep their canonical JSON and spec hashes.
+        # Absent unless given, so specs without them keep their canonical JSON and spec hashes.
         data = handler(self)
-        if data.get("quantize", 0) is None:
-            del data["quantize"]
+        for optional in ("quantize", "vision"):
+            if data.get(optional, 0) is None:
+                del data[optional]
         return data
 
     @property

@@ -23,6 +23,10 @@ def validate(spec: ModelSpec, report: Report) -> None:
         if att.temperature_tuning is not None and att.rope is not None:
             report(at + ("temperature_tuning",), "temperature tuning applies to NoPE layers only (rope = none)")
         kind_of(block.mlp).check(block.mlp, base + ("mlp",), report)
+    if spec.vision is not None:
+        from mxc.compiler.kinds import vision
+
+        vision.check(spec, report)
     used = set(spec.layer_kinds)
     for name in spec.blocks:
         if name not in used and not (spec.mtp and spec.mtp.block == name):

@@ -21,7 +21,8 @@ The tree is nested dicts keyed by the IR's names; the layers of a segment are st
                      ], ...],
      "final_norm": {"scale": [embed]},
      "head":       {"kernel": [embed, vocab]},        # absent when the embedding is tied
-     "mtp":        {...}}                             # DeepSeek V3's modules, stacked (see mtp.py)
+     "mtp":        {...},                             # DeepSeek V3's modules, stacked (see mtp.py)
+     "vision":     {...}}                             # the vision tower (see kinds/vision.py)
 
 Each layer kind states its own subtree (mxc.compiler.kinds): MLA layers hold their own attention
 tree (see mla.py) in place of q/k/v/o.
@@ -78,6 +79,10 @@ def param_defs(spec: ModelSpec) -> dict:
         from mxc.compiler.lower.mtp import mtp_defs  # mtp builds on block_defs
 
         defs["mtp"] = mtp_defs(spec)
+    if spec.vision is not None:
+        from mxc.compiler.kinds import vision
+
+        defs["vision"] = vision.param_defs(spec)
     return defs
 
 

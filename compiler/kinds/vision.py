@@ -1,0 +1,91 @@
+"""The vision tower (spec.ir.VisionTower): its checks, parameter definitions and counts.
+
+Its encoder layers are ordinary blocks (any attention, feed-forward and norm kind of the text
+model), so their parameters and counts come from the same kinds; the tower adds the patch
+projection, the position table, the final norm and the projector. The lowering is
+mxc.compiler.lower.vision.
+"""
+
+from __future__ import annotations
+
+import math
+
+from mxc.compiler.kinds import kind_of
+from mxc.compiler.kinds.base import Report
+from mxc.compiler.lower.param_def import is_def, linear, map_defs, matrix, norm_defs
+from mxc.spec.ir import LearnedPositions, ModelSpec, PooledProjector, VisionTower
+
+PATH = ("vision",)
+
+
+def check(spec: ModelSpec, report: Report) -> None:
+    tower = spec.vision
+    patches = tower.patches
+    if patches.size > tower.image:
+        report(PATH + ("patches", "size"), f"patch size ({patches.size}) is larger than the image ({tower.image})")
+    elif (tower.image - patches.size) % patches.stride:
+        report(PATH + ("patches", "stride"),
+               f"patches of {patches.size} every {patches.stride} pixels do not tile an image of {tower.image}",
+               "(image - size) must be a multiple of stride")
+    att = tower.block.attention
+    kind_of(att).check(att, PATH + ("block", "attention"), report)
+    kind_of(tower.block.mlp).check(tower.block.mlp, PATH + ("block", "mlp"), report)
+    for field in ("window", "chunk"):
+        if getattr(att, field) is not None:
+            report(PATH + ("block", "attention", field), f"a vision encoder's attention sees the whole image (no {field})")
+    projector = tower.projector
+    if isinstance(projector, PooledProjector):
+        side = math.isqrt(projector.tokens)
+        if side * side != projector.tokens:
+            report(PATH + ("projector", "tokens"), f"tokens per image ({projector.tokens}) must be a square number",
+                   "the pooled grid is square")
+        elif tower.patches_per_side % side:
+            report(PATH + ("projector", "tokens"),
+                   f"a {tower.patches_per_side}x{tower.patches_per_side} patch grid does not pool evenly "
+                   f"to {side}x{side} tokens")
+    entry = tower.entry
+    for field, what in (("token", "image placeholder"), ("begin", "begin-of-image"), ("end", "end-of-image")):
+        value = getattr(entry, field)
+        if value is not None and value >= spec.vocab:
+            report(PATH + ("entry", field), f"the {what} token ({value}) is outside the vocabulary ({spec.vocab})")
+
+
+def tokens_per_image(tower: VisionTower) -> int:
+    return tower.projector.tokens
+
+
+def param_defs(spec: ModelSpec) -> dict:
+    """{"patches", "positions", "layers" (stacked blocks), "final_norm", "projector"}. The tower's
+    width shares the logical axis `embed` with the text model; the projector's input is unnamed
+    so that its two dimensions never ask for the same mesh axis."""
+    from mxc.compiler.lower.params import block_defs
+
+    tower, width = spec.vision, spec.vision.d_model
+    p = tower.patches
+    defs = {"patches": linear((p.size, p.size, p.channels), (None, None, None), (width,), ("embed",), p.bias),
+            "layers": map_defs(lambda d: d.stacked(tower.layers), block_defs(tower.block, width))}
+    if isinstance(tower.positions, LearnedPositions):
+        defs["positions"] = {"embedding": matrix((tower.num_patches, width), (None, "embed"))}
+    if tower.final_norm is not None:
+        defs["final_norm"] = norm_defs(tower.final_norm, width, "embed")
+    projector = tower.projector
+    defs["projector"] = {"norm": norm_defs(projector.norm, width, "embed"),
+                         **linear((width,), (None,), (spec.d_model,), ("embed",), projector.bias)}
+    return defs
+
+
+def param_count(spec: ModelSpec) -> int:
+    """Every parameter of the tower and its projector (0 without one); the same sum as param_defs,
+    written out so that counting needs no JAX."""
+    from mxc.compiler.analysis import block_params, norm_params
+
+    tower = spec.vision
+    if tower is None:
+        return 0
+    width, p = tower.d_model, tower.patches
+    patches = p.size * p.size * p.channels * width + (width if p.bias else 0)
+    positions = tower.num_patches * width if isinstance(tower.positions, LearnedPositions) else 0
+    encoder = tower.layers * block_params(tower.block, width).total + norm_params(tower.final_norm, width)
+    projector = tower.projector
+    projection = norm_params(projector.norm, width) + width * spec.d_model + (spec.d_model if projector.bias else 0)
+    return patches + positions + encoder + projection
