@@ -63,6 +63,13 @@ def config_from_vision(v: Llama4Vision) -> dict:
             "multi_modal_projector_bias": False}
 
 
+def _patches(v: Llama4Vision):
+    # HF [width, channel · row · column] (torch's Unfold order) <-> mxc [row, column, channel, width]
+    p, c = v.patch, v.channels
+    return (lambda w: w.reshape(w.shape[0], c, p, p).transpose(2, 3, 1, 0),
+            lambda k: k.transpose(3, 2, 0, 1).reshape(k.shape[-1], c * p * p))
+
+
 def _layernorm(hf: str, path: tuple, layer=None) -> Iterator[TensorMap]:
     yield TensorMap(hf + ".weight", path + ("scale",), layer, _same, _same)
     yield TensorMap(hf + ".bias", path + ("bias",), layer, _same, _same)
@@ -71,9 +78,9 @@ def _layernorm(hf: str, path: tuple, layer=None) -> Iterator[TensorMap]:
 def tensor_maps(v: Llama4Vision, base: tuple = ()) -> Iterator[TensorMap]:
     """Every HF tensor of the tower and projector; `base` is the tower's path in the parameter tree."""
     tower = "vision_model."
-    yield TensorMap(tower + "patch_embedding.linear.weight", base + ("patches", "kernel"), None, _transpose, _transpose)
+    yield TensorMap(tower + "patch_embedding.linear.weight", base + ("patches", "kernel"), None, *_patches(v))
     yield TensorMap(tower + "class_embedding", base + ("class_embedding",), None, _same, _same)
-    yield TensorMap(tower + "positional_embedding_vlm", base + ("positions",), None, _same, _same)
+    yield TensorMap(tower + "positional_embedding_vlm", base + ("positions", "embedding"), None, _same, _same)
     yield from _layernorm(tower + "layernorm_pre", base + ("pre_norm",))
     yield from _layernorm(tower + "layernorm_post", base + ("final_norm",))
     layers = base + ("layers",)
@@ -93,7 +100,7 @@ def tensor_maps(v: Llama4Vision, base: tuple = ()) -> Iterator[TensorMap]:
             yield TensorMap(hf + f"mlp.{fc}.weight", layers + ("mlp", proj, "kernel"), i, _transpose, _transpose)
             yield TensorMap(hf + f"mlp.{fc}.bias", layers + ("mlp", proj, "bias"), i, _same, _same)
     for fc, proj in (("fc1", "up"), ("fc2", "down")):
-        yield TensorMap(f"{tower}vision_adapter.mlp.{fc}.weight", base + ("adapter", proj, "kernel"), None,
+        yield TensorMap(f"{tower}vision_adapter.mlp.{fc}.weight", base + ("projector", "adapter", proj, "kernel"), None,
                         _transpose, _transpose)
     yield TensorMap("multi_modal_projector.linear_1.weight", base + ("projector", "kernel"), None,
                     _transpose, _transpose)

@@ -12,11 +12,12 @@ and the projector (one bias-free matrix) map each token to the text model's d_mo
 
 The numerical reference is transformers' Llama4VisionModel and Llama4MultiModalProjector.
 
-Parameters (kernels [in, out], heads split out; the encoder's layers stacked on a leading axis):
+Parameters (kernels [in, out], heads split out; the encoder's layers stacked on a leading axis;
+the same layout as the other vision towers, mxc.compiler.kinds.vision):
 
-    {"patches": {"kernel": [channels * patch * patch, width]},   # rows in (channel, row, column) order
+    {"patches": {"kernel": [patch, patch, channels, width]},   # (row, column, channel) in a patch
      "class_embedding": [width],
-     "positions": [patches + 1, width],                         # the class token's position is last
+     "positions": {"embedding": [patches + 1, width]},         # the class token's position is last
      "pre_norm": {"scale", "bias"},
      "layers": {"attention_norm": {"scale", "bias"},
                 "attention": {"q", "k", "v": {"kernel": [layers, width, heads, head_dim], "bias"},
@@ -24,8 +25,8 @@ Parameters (kernels [in, out], heads split out; the encoder's layers stacked on 
                 "mlp_norm": {"scale", "bias"},
                 "mlp": {"up": {"kernel": [layers, width, hidden], "bias"}, "down": {...}}},
      "final_norm": {"scale", "bias"},
-     "adapter": {"up": {"kernel": [width / ratio², adapter]}, "down": {"kernel": [adapter, adapter]}},
-     "projector": {"kernel": [adapter, text_d_model]}}
+     "projector": {"adapter": {"up": {"kernel": [width / ratio², adapter]}, "down": {"kernel": [adapter, adapter]}},
+                   "kernel": [adapter, text_d_model]}}
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import numpy as np
 
 from mxc.compiler.lower.attention_core import attend
 from mxc.compiler.lower.norms import apply_norm
-from mxc.compiler.lower.param_def import ParamDef, UnsupportedError, linear, matrix, norm_defs
+from mxc.compiler.lower.param_def import UnsupportedError, linear, map_defs, matrix, norm_defs
 from mxc.compiler.lower.projection import project
 from mxc.compiler.lower.rope import apply_rope
 from mxc.spec.ir import LayerNorm
@@ -101,23 +102,23 @@ class Llama4Vision:
 def param_defs(v: Llama4Vision) -> dict:
     """The tower's and projector's ParamDef tree (layout in the module docstring)."""
     w, heads, hd = v.width, v.heads, v.head_dim
-    layer = {"attention_norm": norm_defs(v.norm, w, "vision_embed"),
-             "attention": {name: linear((w,), ("vision_embed",), (heads, hd), ("vision_heads", "head_dim"), True)
+    layer = {"attention_norm": norm_defs(v.norm, w, "embed"),
+             "attention": {name: linear((w,), ("embed",), (heads, hd), ("heads", "head_dim"), True)
                            for name in ("q", "k", "v")},
-             "mlp_norm": norm_defs(v.norm, w, "vision_embed"),
-             "mlp": {"up": linear((w,), ("vision_embed",), (v.hidden,), ("vision_mlp",), True),
-                     "down": linear((v.hidden,), ("vision_mlp",), (w,), ("vision_embed",), True)}}
-    layer["attention"]["o"] = linear((heads, hd), ("vision_heads", "head_dim"), (w,), ("vision_embed",), True)
-    layers = jax.tree.map(lambda p: p.stacked(v.layers), layer, is_leaf=lambda x: isinstance(x, ParamDef))
-    return {"patches": {"kernel": matrix((v.channels * v.patch ** 2, w), (None, "vision_embed"))},
-            "class_embedding": matrix((w,), ("vision_embed",)),
-            "positions": matrix((v.num_patches + 1, w), (None, "vision_embed")),
-            "pre_norm": norm_defs(v.norm, w, "vision_embed"),
-            "layers": layers,
-            "final_norm": norm_defs(v.norm, w, "vision_embed"),
-            "adapter": {"up": {"kernel": matrix((v.shuffled_width, v.adapter), (None, "vision_mlp"))},
-                        "down": {"kernel": matrix((v.adapter, v.adapter), ("vision_mlp", None))}},
-            "projector": {"kernel": matrix((v.adapter, v.text_d_model), (None, "embed"))}}
+             "mlp_norm": norm_defs(v.norm, w, "embed"),
+             "mlp": {"up": linear((w,), ("embed",), (v.hidden,), ("mlp",), True),
+                     "down": linear((v.hidden,), ("mlp",), (w,), ("embed",), True)}}
+    layer["attention"]["o"] = linear((heads, hd), ("heads", "head_dim"), (w,), ("embed",), True)
+    # The projector's and adapter's inputs are unnamed so that no matrix asks twice for one mesh axis.
+    return {"patches": {"kernel": matrix((v.patch, v.patch, v.channels, w), (None, None, None, "embed"))},
+            "class_embedding": matrix((w,), ("embed",)),
+            "positions": {"embedding": matrix((v.num_patches + 1, w), (None, "embed"))},
+            "pre_norm": norm_defs(v.norm, w, "embed"),
+            "layers": map_defs(lambda p: p.stacked(v.layers), layer),
+            "final_norm": norm_defs(v.norm, w, "embed"),
+            "projector": {"adapter": {"up": {"kernel": matrix((v.shuffled_width, v.adapter), (None, "mlp"))},
+                                      "down": {"kernel": matrix((v.adapter, v.adapter), ("mlp", None))}},
+                          "kernel": matrix((v.adapter, v.text_d_model), (None, "embed"))}}
 
 
 def rope_2d_angles(v: Llama4Vision) -> np.ndarray:
@@ -135,12 +136,13 @@ def rope_2d_angles(v: Llama4Vision) -> np.ndarray:
 
 
 def unfold_patches(pixels: jax.Array, patch: int) -> jax.Array:
-    """[images, channels, H, W] -> [images, patches, channels · patch · patch], patches in row-major
-    order and each patch's values in (channel, row, column) order, as torch's Unfold lays them out."""
+    """[images, channels, H, W] -> [images, patches, patch · patch · channels], patches in row-major
+    order and each patch's values in (row, column, channel) order (torch's Unfold takes channel,
+    row, column: the HF map reorders the matrix's rows instead of the pixels)."""
     images, channels, height, width = pixels.shape
     rows, cols = height // patch, width // patch
     x = pixels.reshape(images, channels, rows, patch, cols, patch)
-    return x.transpose(0, 2, 4, 1, 3, 5).reshape(images, rows * cols, channels * patch * patch)
+    return x.transpose(0, 2, 4, 3, 5, 1).reshape(images, rows * cols, patch * patch * channels)
 
 
 def pixel_shuffle(x: jax.Array, ratio: float) -> jax.Array:
@@ -174,9 +176,10 @@ def encode_images(v: Llama4Vision, params: dict, pixels: jax.Array) -> jax.Array
     if pixels.shape[1:] != (v.channels, v.image, v.image):
         raise ValueError(f"pixel values {pixels.shape}: expected [images, {v.channels}, {v.image}, {v.image}]")
     dtype = pixels.dtype
-    x = project(unfold_patches(pixels, v.patch), params["patches"], "...i,io->...o", dtype)
+    kernel = params["patches"]["kernel"]
+    x = project(unfold_patches(pixels, v.patch), {"kernel": kernel.reshape(-1, v.width)}, "...i,io->...o", dtype)
     cls = jnp.broadcast_to(params["class_embedding"].astype(dtype), (x.shape[0], 1, v.width))
-    x = jnp.concatenate([x, cls], axis=1) + params["positions"].astype(dtype)
+    x = jnp.concatenate([x, cls], axis=1) + params["positions"]["embedding"].astype(dtype)
     x = apply_norm(v.norm, params["pre_norm"], x)
     angles = jnp.asarray(rope_2d_angles(v))[None]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
@@ -188,11 +191,13 @@ def encode_images(v: Llama4Vision, params: dict, pixels: jax.Array) -> jax.Array
     x = apply_norm(v.norm, params["final_norm"], x)[:, :-1]  # the class token leaves here
     x = pixel_shuffle(x, v.shuffle_ratio)
     for name in ("up", "down"):
-        x = jax.nn.gelu(project(x, params["adapter"][name], "...i,io->...o", dtype, mlp=True), approximate=False)
+        x = jax.nn.gelu(project(x, params["projector"]["adapter"][name], "...i,io->...o", dtype, mlp=True),
+                        approximate=False)
     return x
 
 
 def image_embeddings(v: Llama4Vision, params: dict, pixels: jax.Array) -> jax.Array:
     """pixels [images, channels, image, image] -> [images, tokens_per_image, text_d_model]: what
     replaces the image placeholder tokens' embeddings in the text model."""
-    return project(encode_images(v, params, pixels), params["projector"], "...i,io->...o", pixels.dtype)
+    projector = {"kernel": params["projector"]["kernel"]}
+    return project(encode_images(v, params, pixels), projector, "...i,io->...o", pixels.dtype)
