@@ -2,9 +2,10 @@
 # the others use RoPE with QK-norm (an L2 norm without scale) and chunked local attention
 # (8192). Experts: top-1 with sigmoid scores applied to the expert's input, plus one shared
 # expert. Scout routes on every layer; Maverick alternates dense and MoE layers.
-# Sizes from each model's HF config.json (text_config).
+# Sizes from each model's HF config.json (text_config). The text halves are the `-text` models;
+# the full models add the vision tower (vision_config) below.
 
-model llama4-17b-16e {
+model llama4-17b-16e-text {
   vocab = 202048
   d_model = 5120
   max_seq = 10485760
@@ -33,7 +34,7 @@ model llama4-17b-16e {
 }
 
 # Maverick: 128 experts on odd layers, dense SwiGLU (16384) on even ones; no QK-norm.
-model llama4-17b-128e {
+model llama4-17b-128e-text {
   vocab = 202048
   d_model = 5120
   max_seq = 1048576
@@ -62,4 +63,28 @@ model llama4-17b-128e {
     norm = rmsnorm(eps = 1e-5)
   }
   layers = (rope_dense, rope_moe, rope_dense, nope_moe) x 12
+}
+
+# Both models' vision tower: 336-pixel images in 24x24 patches of 14 pixels and a class token,
+# 34 bidirectional layers with a 2D RoPE; the pixel shuffle folds 2x2 patches into one token, so
+# 144 soft tokens per image replace the placeholders between the begin- and end-of-image tokens.
+let llama4_vision = vision(image = 336, d_model = 1408,
+                           patches = patches(size = 14, stride = 14, channels = 3, bias = false),
+                           positions = learned(),
+                           block = encoder(attention = mha(heads = 16, head_dim = 88, rope = none,
+                                                           qkv_bias = true, out_bias = true),
+                                           mlp = mlp(hidden = 5632, act = gelu, bias = true),
+                                           norm = layernorm(eps = 1e-5)),
+                           layers = 34, final_norm = layernorm(eps = 1e-5),
+                           projector = pixel_shuffle(ratio = 0.5, adapter = 4096),
+                           entry = placeholder(token = 200092, begin = 200080, end = 200081),
+                           class_token = true, pre_norm = layernorm(eps = 1e-5),
+                           rope = rope_2d(theta = 10000))
+
+model llama4-17b-16e extends llama4-17b-16e-text {
+  vision = llama4_vision
+}
+
+model llama4-17b-128e extends llama4-17b-128e-text {
+  vision = llama4_vision
 }

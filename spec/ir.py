@@ -287,6 +287,16 @@ class LearnedPositions(Node):
 VisionPositions = LearnedPositions  # a union (discriminated on kind) once a second kind joins
 
 
+class AxialRope(Node):
+    """2D RoPE over the patch grid on every encoder layer's queries and keys (Llama 4, the axial
+    RoPE Pixtral also uses): in each head, the first half of the adjacent dimension pairs turn with
+    the patch's column, the second half with its row (both counted from 1), over the same
+    head_dim / 4 frequencies of `theta`; a class token is not turned."""
+
+    kind: Literal["rope_2d"] = "rope_2d"
+    theta: PositiveFloat
+
+
 class EncoderBlock(Block):
     """One vision encoder layer: a pre-norm block whose attention is bidirectional over the image."""
 
@@ -303,7 +313,18 @@ class PooledProjector(Node):
     bias: bool = False
 
 
-Projector = PooledProjector  # a union (discriminated on kind) once a second kind joins
+class PixelShuffleProjector(Node):
+    """Llama 4: a pixel shuffle folds each (1/ratio) x (1/ratio) square of the patch grid into one
+    token of width / ratio², an adapter MLP (two bias-free matrices `adapter` wide, `act` after
+    each) follows, then one bias-free matrix to the text model's d_model."""
+
+    kind: Literal["pixel_shuffle"] = "pixel_shuffle"
+    ratio: PositiveFloat
+    adapter: PositiveInt
+    act: Activation = "gelu"
+
+
+Projector = Annotated[Union[PooledProjector, PixelShuffleProjector], Field(discriminator="kind")]
 
 
 class ImagePlaceholders(Node):
@@ -332,6 +353,20 @@ class VisionTower(Node):
     final_norm: Norm | None
     projector: Projector
     entry: ImageEntry
+    # Llama 4: a learned class embedding after the patches (its own learned position, last; the
+    # projector never sees it), a norm before the encoder, and a 2D RoPE in every encoder layer.
+    class_token: bool = False
+    pre_norm: Norm | None = None
+    rope: AxialRope | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unset_llama4_parts(self, handler):
+        # Absent unless given, so the other towers keep their canonical JSON and spec hashes.
+        data = handler(self)
+        for optional, unset in (("class_token", False), ("pre_norm", None), ("rope", None)):
+            if optional in data and data[optional] == unset:
+                del data[optional]
+        return data
 
     @property
     def patches_per_side(self) -> int:

@@ -105,3 +105,80 @@ def test_pixel_shuffle_matches_transformers():
 def test_configs_mxc_cannot_express_are_rejected(change, message):
     with pytest.raises(ConfigError, match=message):
         vision_from_config({**VISION, **change}, TEXT_D_MODEL)
+
+
+# ---------------------------------------------------------------- the tower in the language
+
+def _reference(zoo: str) -> dict:
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent / "data" / "param_counts.json"
+    return next(e for e in json.loads(path.read_text()) if e["zoo"] == zoo)
+
+
+@pytest.mark.parametrize("name", ["llama4-17b-16e", "llama4-17b-128e"])
+def test_llama4_with_its_tower_counts_what_transformers_counts(name):
+    from mxc.compiler.analysis import summarize
+    from mxc.spec.load import load_model
+
+    full, text = summarize(load_model(name)), summarize(load_model(f"{name}-text"))
+    ref = _reference(name)
+    assert ref["hf_class"] == "Llama4ForConditionalGeneration"
+    assert full.total_params == ref["total_params"]
+    assert full.vision_params == ref["vision_tower_params"] + ref["projector_params"]
+    assert full.total_params == text.total_params + full.vision_params
+    assert full.active_params == text.active_params + full.vision_params == ref["active_params"]
+
+
+def test_the_zoo_tower_has_transformers_sizes():
+    from mxc.compiler.kinds.vision import tokens_per_image
+    from mxc.spec.load import load_model
+
+    tower = load_model("llama4-17b-16e").vision
+    assert (tower.num_patches, tokens_per_image(tower), tower.projector.adapter) == (576, 144, 4096)
+
+
+TOWER = """\
+model m extends llama4-17b-16e-text {
+  vision = vision(image = 32, d_model = 32, patches = patches(size = 4, stride = 4, bias = false),
+                  positions = learned(),
+                  block = encoder(attention = mha(heads = 4, head_dim = 8, rope = none, qkv_bias = true,
+                                                  out_bias = true),
+                                  mlp = mlp(hidden = 128, act = gelu, bias = true),
+                                  norm = layernorm(eps = 1e-5)),
+                  layers = 2, final_norm = layernorm(eps = 1e-5),
+                  projector = pixel_shuffle(ratio = 0.5, adapter = 40),
+                  entry = placeholder(token = 100, begin = 98, end = 99),
+                  class_token = true, pre_norm = layernorm(eps = 1e-5), rope = rope_2d(theta = 10000))
+%s
+}
+"""
+
+
+@pytest.mark.parametrize("line, needle, message", [
+    ("vision.projector.ratio = 0.3", "vision.projector.ratio", "a pixel shuffle of ratio 0.3"),
+    ("vision.block.attention.head_dim = 6", "vision.block.attention.head_dim", "not a multiple of 4"),
+    ("vision.block.attention.rope = rope(theta = 10000)", "vision.block.attention.rope", "already rotates"),
+    ("vision.rope = rope2d(theta = 1)", "rope2d(", "did you mean 'rope_2d'"),
+])
+def test_bad_llama4_tower_values_are_errors_where_they_are_written(line, needle, message):
+    from mxc.spec import SpecError, load_text
+
+    text = TOWER % f"  {line}"
+    with pytest.raises(SpecError) as err:
+        load_text(text, "m.mspec")
+    found = [d for d in err.value.diagnostics if message in d.message + (d.hint or "")]
+    assert found, [d.message for d in err.value.diagnostics]
+    row = text.count("\n", 0, text.index(line)) + 1
+    col = text.split("\n")[row - 1].index(needle) + 1
+    assert (found[0].loc.line, found[0].loc.col) == (row, col)
+
+
+def test_a_llama4_tower_formats_to_a_fixed_point_with_the_same_model():
+    from mxc.spec import load_text
+    from mxc.spec.format import format_text
+
+    canonical = format_text(TOWER % "", "m.mspec")
+    assert format_text(canonical, "m.mspec") == canonical
+    assert load_text(canonical, "m.mspec")["m"] == load_text(TOWER % "", "m.mspec")["m"]

@@ -13,7 +13,7 @@ import math
 from mxc.compiler.kinds import kind_of
 from mxc.compiler.kinds.base import Report
 from mxc.compiler.lower.param_def import is_def, linear, map_defs, matrix, norm_defs
-from mxc.spec.ir import LearnedPositions, ModelSpec, PooledProjector, VisionTower
+from mxc.spec.ir import LearnedPositions, ModelSpec, PixelShuffleProjector, PooledProjector, VisionTower
 
 PATH = ("vision",)
 
@@ -43,6 +43,19 @@ def check(spec: ModelSpec, report: Report) -> None:
             report(PATH + ("projector", "tokens"),
                    f"a {tower.patches_per_side}x{tower.patches_per_side} patch grid does not pool evenly "
                    f"to {side}x{side} tokens")
+    if isinstance(projector, PixelShuffleProjector):
+        side, width = tower.patches_per_side * projector.ratio, tower.d_model / projector.ratio ** 2
+        if side != int(side) or width != int(width):
+            report(PATH + ("projector", "ratio"),
+                   f"a pixel shuffle of ratio {projector.ratio} needs whole numbers of patches per side "
+                   f"({tower.patches_per_side} x ratio) and of channels ({tower.d_model} / ratio²)")
+    if tower.rope is not None:
+        if att.rope is not None:
+            report(PATH + ("block", "attention", "rope"), "the tower's rope_2d already rotates the encoder's "
+                   "queries and keys", "write rope = none in the encoder block")
+        if getattr(att, "head_dim", 0) % 4:
+            report(PATH + ("block", "attention", "head_dim"), f"the tower's rope_2d splits each head in quarters; "
+                   f"head_dim {att.head_dim} is not a multiple of 4")
     entry = tower.entry
     for field, what in (("token", "image placeholder"), ("begin", "begin-of-image"), ("end", "end-of-image")):
         value = getattr(entry, field)
@@ -51,7 +64,18 @@ def check(spec: ModelSpec, report: Report) -> None:
 
 
 def tokens_per_image(tower: VisionTower) -> int:
+    if isinstance(tower.projector, PixelShuffleProjector):
+        return round(tower.num_patches * tower.projector.ratio ** 2)
     return tower.projector.tokens
+
+
+def num_positions(tower: VisionTower) -> int:
+    """Tokens the encoder runs over: the patches, and the class token where there is one."""
+    return tower.num_patches + int(tower.class_token)
+
+
+def _shuffled_width(tower: VisionTower) -> int:
+    return round(tower.d_model / tower.projector.ratio ** 2)
 
 
 def param_defs(spec: ModelSpec) -> dict:
@@ -65,12 +89,22 @@ def param_defs(spec: ModelSpec) -> dict:
     defs = {"patches": linear((p.size, p.size, p.channels), (None, None, None), (width,), ("embed",), p.bias),
             "layers": map_defs(lambda d: d.stacked(tower.layers), block_defs(tower.block, width))}
     if isinstance(tower.positions, LearnedPositions):
-        defs["positions"] = {"embedding": matrix((tower.num_patches, width), (None, "embed"))}
+        defs["positions"] = {"embedding": matrix((num_positions(tower), width), (None, "embed"))}
+    if tower.class_token:
+        defs["class_embedding"] = matrix((width,), ("embed",))
+    if tower.pre_norm is not None:
+        defs["pre_norm"] = norm_defs(tower.pre_norm, width, "embed")
     if tower.final_norm is not None:
         defs["final_norm"] = norm_defs(tower.final_norm, width, "embed")
     projector = tower.projector
-    defs["projector"] = {"norm": norm_defs(projector.norm, width, "embed"),
-                         **linear((width,), (None,), (spec.d_model,), ("embed",), projector.bias)}
+    if isinstance(projector, PixelShuffleProjector):
+        adapter = projector.adapter
+        defs["projector"] = {"adapter": {"up": {"kernel": matrix((_shuffled_width(tower), adapter), (None, "mlp"))},
+                                         "down": {"kernel": matrix((adapter, adapter), ("mlp", None))}},
+                             "kernel": matrix((adapter, spec.d_model), (None, "embed"))}
+    else:
+        defs["projector"] = {"norm": norm_defs(projector.norm, width, "embed"),
+                             **linear((width,), (None,), (spec.d_model,), ("embed",), projector.bias)}
     return defs
 
 
@@ -84,8 +118,15 @@ def param_count(spec: ModelSpec) -> int:
         return 0
     width, p = tower.d_model, tower.patches
     patches = p.size * p.size * p.channels * width + (width if p.bias else 0)
-    positions = tower.num_patches * width if isinstance(tower.positions, LearnedPositions) else 0
-    encoder = tower.layers * block_params(tower.block, width).total + norm_params(tower.final_norm, width)
+    positions = num_positions(tower) * width if isinstance(tower.positions, LearnedPositions) else 0
+    positions += width if tower.class_token else 0
+    encoder = (tower.layers * block_params(tower.block, width).total + norm_params(tower.final_norm, width)
+               + norm_params(tower.pre_norm, width))
     projector = tower.projector
-    projection = norm_params(projector.norm, width) + width * spec.d_model + (spec.d_model if projector.bias else 0)
+    if isinstance(projector, PixelShuffleProjector):
+        adapter = projector.adapter
+        projection = _shuffled_width(tower) * adapter + adapter * adapter + adapter * spec.d_model
+    else:
+        projection = (norm_params(projector.norm, width) + width * spec.d_model
+                      + (spec.d_model if projector.bias else 0))
     return patches + positions + encoder + projection
