@@ -10,8 +10,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from mxc.compiler.hf.llama4_vision import config_from_vision, tensor_maps, vision_from_config  # noqa: E402
 from mxc.compiler.hf.config_in import ConfigError  # noqa: E402
+from mxc.compiler.hf.llama4_vision import config_from_tower, tensor_maps, tower_from_config  # noqa: E402
+from mxc.compiler.kinds import vision as vision_kind  # noqa: E402
 from mxc.compiler.lower import vision_llama4  # noqa: E402
 from mxc.compiler.lower.param_def import is_def  # noqa: E402
 
@@ -24,11 +25,12 @@ VISION = dict(image_size=32, patch_size=4, num_channels=3, hidden_size=32, num_a
 TEXT = dict(vocab_size=128, hidden_size=TEXT_D_MODEL, intermediate_size=64, intermediate_size_mlp=96,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             num_local_experts=2, attention_chunk_size=16)
+IMAGE_TOKENS = dict(image_token_index=100, boi_token_index=98, eoi_token_index=99)
 
 
 def _hf_model(seed: int = 0):
     torch.manual_seed(seed)
-    config = transformers.Llama4Config(vision_config=VISION, text_config=TEXT, image_token_index=100)
+    config = transformers.Llama4Config(vision_config=VISION, text_config=TEXT, **IMAGE_TOKENS)
     config._attn_implementation = "eager"
     model = transformers.Llama4ForConditionalGeneration(config).eval()
     with torch.no_grad():
@@ -38,10 +40,17 @@ def _hf_model(seed: int = 0):
     return model
 
 
-def _mxc_params(vision, state: dict) -> dict:
-    defs = vision_llama4.param_defs(vision)
+def _tiny_spec():
+    from mxc.compiler.hf.llama4 import spec_from_config
+
+    text = spec_from_config(transformers.Llama4TextConfig(**TEXT).to_dict(), "tiny")
+    return text.model_copy(update={"vision": tower_from_config({"vision_config": VISION, **IMAGE_TOKENS})})
+
+
+def _vision_params(spec, state: dict) -> dict:
+    defs = {"vision": vision_kind.param_defs(spec)}
     params = jax.tree.map(lambda d: np.zeros(d.shape, np.float32), defs, is_leaf=is_def)
-    for tensor_map in tensor_maps(vision):
+    for tensor_map in tensor_maps(spec):
         tensor_map.write(params, state[tensor_map.hf_name])
     return params
 
@@ -49,31 +58,31 @@ def _mxc_params(vision, state: dict) -> dict:
 @pytest.fixture(scope="module")
 def tiny():
     model = _hf_model()
-    vision = vision_from_config(VISION, TEXT_D_MODEL)
+    spec = _tiny_spec()
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()
              if k.startswith(("vision_model.", "multi_modal_projector."))}
-    return model, vision, state, _mxc_params(vision, state)
+    return model, spec, state, _vision_params(spec, state)
 
 
 def test_maps_cover_every_hf_tensor_and_round_trip(tiny):
-    _, vision, state, params = tiny
-    maps = list(tensor_maps(vision))
+    _, spec, state, params = tiny
+    maps = list(tensor_maps(spec))
     assert sorted(m.hf_name for m in maps) == sorted(state)
     for m in maps:
         np.testing.assert_array_equal(m.read(params), state[m.hf_name])
-    assert vision_from_config(config_from_vision(vision), TEXT_D_MODEL) == vision
+    assert tower_from_config(config_from_tower(spec.vision)) == spec.vision
 
 
 def test_tower_and_projector_match_transformers(tiny):
-    model, vision, _, params = tiny
+    model, spec, _, params = tiny
     pixels = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
     with torch.no_grad():
         features = model.vision_model(torch.from_numpy(pixels)).last_hidden_state
         projected = model.multi_modal_projector(features)
-    ours = jax.jit(lambda p, x: vision_llama4.encode_images(vision, p, x))(params, pixels)
-    assert ours.shape == (2, vision.tokens_per_image, 40) == tuple(features.shape)
+    ours = jax.jit(lambda p, x: vision_llama4.adapter_output(spec.vision, p["vision"], x, np.float32))(params, pixels)
+    assert ours.shape == (2, vision_kind.tokens_per_image(spec.vision), 40) == tuple(features.shape)
     np.testing.assert_allclose(np.asarray(ours), features.numpy(), atol=1e-4, rtol=0)
-    embedded = jax.jit(lambda p, x: vision_llama4.image_embeddings(vision, p, x))(params, pixels)
+    embedded = jax.jit(lambda p, x: vision_llama4.encode_images(spec, p, x, np.float32))(params, pixels)
     assert embedded.shape == (2, 16, TEXT_D_MODEL)
     np.testing.assert_allclose(np.asarray(embedded), projected.numpy(), atol=1e-4, rtol=0)
 
@@ -83,7 +92,7 @@ def test_rope_2d_angles_match_transformers():
 
     config = transformers.Llama4VisionConfig(**VISION)
     reference = Llama4VisionRotaryEmbedding(config).freqs_ci[:, 0, :]  # [patches + 1, head_dim // 2]
-    angles = vision_llama4.rope_2d_angles(vision_from_config(VISION, TEXT_D_MODEL))
+    angles = vision_llama4.rope_2d_angles(_tiny_spec().vision)
     np.testing.assert_allclose(np.cos(angles), reference.real.numpy(), atol=1e-6)
     np.testing.assert_allclose(np.sin(angles), reference.imag.numpy(), atol=1e-6)
 
@@ -104,7 +113,7 @@ def test_pixel_shuffle_matches_transformers():
 ])
 def test_configs_mxc_cannot_express_are_rejected(change, message):
     with pytest.raises(ConfigError, match=message):
-        vision_from_config({**VISION, **change}, TEXT_D_MODEL)
+        tower_from_config({"vision_config": {**VISION, **change}})
 
 
 # ---------------------------------------------------------------- the tower in the language
