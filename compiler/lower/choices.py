@@ -28,6 +28,9 @@ class LoweringChoices:
     # The cross entropy's per-token statistics with a hand-written gradient (loss.py): no
     # [tokens, vocab] intermediates beyond the logits and their gradient.
     fused_cross_entropy: bool = False
+    # A large stored weight of another dtype (int8, bf16: the tied head) converted and multiplied in
+    # cache-sized blocks (compiler/quant/matmul.py): XLA:CPU writes the whole converted copy first.
+    blocked_weight_conversion: bool = False
 
     @classmethod
     def for_platform(cls, platform: str) -> "LoweringChoices":
@@ -36,7 +39,8 @@ class LoweringChoices:
         # kernels compile only for TPUs; elsewhere they run in its interpreter.
         cpu = platform == "cpu"
         return cls(stacked_projections=platform == "tpu", interpret_kernels=platform != "tpu",
-                   canonical_weight_gradients=cpu, fused_cross_entropy=cpu)
+                   canonical_weight_gradients=cpu, fused_cross_entropy=cpu,
+                   blocked_weight_conversion=cpu)
 
     def with_recorded(self, recorded: dict) -> "LoweringChoices":
         """These choices with those a plan file records (the rest stay the platform's)."""

@@ -91,8 +91,12 @@ def project(x: jax.Array, params: dict, pattern: str, dtype, *, mlp: bool = Fals
     kernel = params["kernel"]
     if SCALE in params:
         y = matmul.stored_einsum(pattern, x, kernel, params[SCALE], config, dtype, out_dtype)
-    elif _stored_bf16(kernel, config):
-        y = weight_product(pattern, x, kernel.astype(dtype), out_dtype)  # float32 arithmetic
+    elif _stored_bf16(kernel, config):  # float32 arithmetic on the bfloat16 weights
+        if matmul.converts_in_blocks(kernel, dtype):
+            y = matmul.in_blocks(pattern, x, (kernel,), lambda x, k: jnp.einsum(
+                pattern, x, k.astype(dtype), preferred_element_type=out_dtype), dtype)
+        else:
+            y = weight_product(pattern, x, kernel.astype(dtype), out_dtype)
     elif _applies(config, mlp):
         y = matmul.fake_quantized_einsum(pattern, x, kernel, config, dtype, out_dtype)
     else:

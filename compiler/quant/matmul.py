@@ -4,6 +4,11 @@ Stored weights (values and a scale per output channel) multiply as they are stor
 converted inside the product and the scale applied to its float32 result, so the weights are read
 once at their stored width (decode reads every weight once a step and is bandwidth bound).
 int4's group-wise scales vary along the contracting axis, so those weights are dequantized first.
+XLA:CPU does not fuse a conversion into its dot: it writes the whole converted weight to a new
+temporary first, which for a large weight (SmolLM2's tied 49152x576 head: 113 MB a decode step)
+costs ten times the product. Where the lowering chooses it (CPU targets), a weight above
+BLOCKED_ABOVE is therefore converted and multiplied in blocks of its output axis that stay in
+cache (in_blocks); layers' weights inside the layer scan are small and converted as sliced.
 w8a8 quantizes the activations per token and multiplies int8 by int8 into int32; fp8 rounds the
 activations to e4m3 per token (scaled) and multiplies in the compute dtype, which is what XLA runs
 on chips without fp8 units too.
@@ -51,6 +56,54 @@ def _to_output(array: jax.Array, sub: str, out: str, out_ndim: int) -> jax.Array
     return array.reshape(shape)
 
 
+BLOCKED_ABOVE = 32 << 20  # bytes of a converted weight beyond which CPU targets convert it in blocks
+BLOCK_BYTES = 4 << 20  # bytes of one converted block: within a CPU's last-level cache
+
+
+def converts_in_blocks(values: jax.Array, dtype) -> bool:
+    """Whether the product with stored weight `values` (to be converted to `dtype`) runs in_blocks."""
+    from mxc.compiler.lower.choices import lowering_choices
+
+    converted = values.size * jnp.dtype(dtype).itemsize
+    return (lowering_choices().blocked_weight_conversion and jnp.dtype(values.dtype) != jnp.dtype(dtype)
+            and converted > BLOCKED_ABOVE)
+
+
+def in_blocks(pattern: str, x: jax.Array, weights: tuple, product, dtype) -> jax.Array:
+    """product(x, *weights) computed over blocks of the weights' first output axis (an axis `out`
+    keeps that x lacks), one block at a time in a loop, so that each block's converted copy stays
+    in cache. `weights` share that axis (a scale has the weight's length or 1 on it)."""
+    x_sub, w_sub, out = _parse(pattern)
+    letters = w_sub
+    axis = next((i for i, c in enumerate(letters) if c in out and c not in x_sub), None)
+    if axis is None:
+        return product(x, *weights)
+    n = weights[0].shape[axis]
+    row_bytes = weights[0].size // n * jnp.dtype(dtype).itemsize
+    block = max((b for b in range(1, n + 1) if n % b == 0 and b * row_bytes <= BLOCK_BYTES), default=1)
+    if block == n:
+        return product(x, *weights)
+
+    def split(w):
+        if w.shape[axis] == 1:
+            return None
+        return jnp.moveaxis(w, axis, 0).reshape(n // block, block, *w.shape[:axis], *w.shape[axis + 1:])
+
+    split_weights = [split(w) for w in weights]
+    stacked = [w for w in split_weights if w is not None]
+
+    def one_block(blocks):
+        blocks = iter(blocks)
+        parts = [w if s is None else jnp.moveaxis(next(blocks), 0, axis) for w, s in zip(weights, split_weights)]
+        return product(x, *parts)
+
+    ys = jax.lax.map(one_block, stacked)  # [blocks, *out with the axis at `block`]
+    out_letters = out.replace("...", "")
+    position = ys.ndim - 1 - (len(out_letters) - out_letters.index(letters[axis]))
+    ys = jnp.moveaxis(ys, 0, position)
+    return ys.reshape(*ys.shape[:position], n, *ys.shape[position + 2:])
+
+
 def _drop(sub: str, out: str) -> str:
     return "".join(c for c in sub if c in out or c == ".")
 
@@ -70,6 +123,14 @@ def _token_quantized(x: jax.Array, kind: str, contracting: tuple[int, ...]):
 
 def stored_einsum(pattern: str, x: jax.Array, values: jax.Array, scale: jax.Array, config: QuantConfig,
                   dtype, out_dtype=None) -> jax.Array:
+    if converts_in_blocks(values, dtype):
+        return in_blocks(pattern, x, (values, scale),
+                         lambda x, v, s: _stored_einsum(pattern, x, v, s, config, dtype, out_dtype), dtype)
+    return _stored_einsum(pattern, x, values, scale, config, dtype, out_dtype)
+
+
+def _stored_einsum(pattern: str, x: jax.Array, values: jax.Array, scale: jax.Array, config: QuantConfig,
+                   dtype, out_dtype=None) -> jax.Array:
     out_dtype = out_dtype or dtype
     x_sub, w_sub, out = _parse(pattern)
     w_contracting = _contracted(w_sub, out, values.ndim)
