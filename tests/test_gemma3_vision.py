@@ -76,3 +76,136 @@ def test_bad_tower_values_are_errors_where_they_are_written(line, needle, messag
     row = text.count("\n", 0, text.index(line)) + 1
     col = text.split("\n")[row - 1].index(needle) + 1
     assert (found[0].loc.line, found[0].loc.col) == (row, col)
+
+
+# ---------------------------------------------------------------- parity with transformers
+
+BEGIN, END, IMAGE = 297, 298, 299  # the tiny model's begin-of-image, end-of-image and placeholder ids
+
+
+def _tiny_hf_model():
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=256,
+                sliding_window=6, query_pre_attn_scalar=16, rope_theta=10000.0,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    # A 28-pixel image in 7-pixel patches: a 4x4 grid pooled to 2x2 = 4 soft tokens.
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=28, patch_size=7, num_channels=3, vision_use_head=False)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=IMAGE, boi_token_index=BEGIN, eoi_token_index=END)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # away from the initial zeros and ones, so every weight matters
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """(the HF model, its checkpoint directory, the imported spec and parameters)."""
+    from mxc.compiler.hf.convert import import_hf
+    from mxc.compiler.hf.model_dir import load_spec_and_params
+
+    root = tmp_path_factory.mktemp("gemma3_vision")
+    model = _tiny_hf_model()
+    model.save_pretrained(root / "hf")
+    import_hf(root / "hf", root / "mxc")
+    spec, params = load_spec_and_params(str(root / "mxc"))
+    return model, root, spec, params
+
+
+def _prompt(images: int):
+    import numpy as np
+
+    ids = [2, 5]
+    for i in range(images):
+        ids += [BEGIN] + [IMAGE] * 4 + [END] + [7 + i, 8]
+    tokens = np.array([ids + [9, 10, 11]], np.int64)
+    rng = np.random.default_rng(images)
+    return tokens, (tokens == IMAGE).astype(np.int64), rng.standard_normal((images, 3, 28, 28)).astype(np.float32)
+
+
+@pytest.mark.parametrize("images", [1, 2])
+def test_logits_equal_transformers_with_images(imported, images):
+    import numpy as np
+    import torch
+
+    from mxc.compiler.lower.model import forward
+
+    model, _, spec, params = imported
+    tokens, types, pixels = _prompt(images)
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor(tokens), pixel_values=torch.tensor(pixels),
+                    token_type_ids=torch.tensor(types)).logits.numpy()
+    ours = np.asarray(forward(spec, params, tokens.astype(np.int32), dtype="float32", pixel_values=pixels,
+                              token_type_ids=types.astype(np.int32))[0])
+    assert np.abs(ours - ref).max() < 1e-4
+
+
+def test_greedy_decode_equals_transformers_with_two_images(imported, tmp_path):
+    import numpy as np
+    import torch
+    from transformers import GenerationConfig
+
+    from mxc.compiler.commands.generate import spec_servable
+    from mxc.runtime.generate import generate
+
+    model, _, spec, params = imported
+    tokens, types, pixels = _prompt(2)
+    with torch.no_grad():
+        ref = model.generate(input_ids=torch.tensor(tokens), pixel_values=torch.tensor(pixels),
+                             token_type_ids=torch.tensor(types),
+                             generation_config=GenerationConfig(do_sample=False, max_new_tokens=8,
+                                                                pad_token_id=0, eos_token_id=None)).numpy()
+    width = tokens.shape[1]
+    servable = spec_servable(spec, 1, width, width + 7, "float32",
+                             images={"pixel_values": pixels, "token_type_ids": types.astype(np.int32)})
+    ours, _ = generate(servable, params, tokens.astype(np.int32), 8)
+    assert ours[0, -8:].tolist() == ref[0, -8:].tolist()
+
+
+@pytest.mark.parametrize("spelling", ["saved", "hub", "module"])
+def test_every_spelling_of_the_checkpoint_imports_and_exports_bit_for_bit(imported, tmp_path, spelling):
+    """transformers' save_pretrained (language_model.model.*, vision_tower.*), the hub's files
+    (vision_tower.vision_model.*) and the module tree's names (model.language_model.*)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from mxc.compiler.hf.convert import export_hf, import_hf
+    from mxc.compiler.hf.model_dir import load_spec_and_params
+
+    _, root, spec, params = imported
+    source = tmp_path / "hf"
+    shutil.copytree(root / "hf", source)
+    tensors = load_file(source / "model.safetensors")
+    rename = {"saved": lambda n: n,
+              "hub": lambda n: n.replace("vision_tower.", "vision_tower.vision_model.", 1),
+              "module": lambda n: "model." + n.replace("language_model.model.", "language_model.", 1)}[spelling]
+    save_file({rename(n): t for n, t in tensors.items()}, source / "model.safetensors", metadata={"format": "pt"})
+    import_hf(source, tmp_path / "mxc")
+    spec_again, params_again = load_spec_and_params(str(tmp_path / "mxc"))
+    assert spec_again.model_copy(update={"name": spec.name}) == spec
+    export_hf(spec_again, params_again, tmp_path / "back", tmp_path / "mxc")
+    assert (tmp_path / "back" / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
+
+
+def test_forward_cli_takes_the_processor_inputs(imported, tmp_path):
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    _, root, spec, params = imported
+    tokens, types, pixels = _prompt(1)
+    np.save(tmp_path / "t.npy", tokens)
+    np.savez(tmp_path / "in.npz", pixel_values=pixels[:, :, :27], token_type_ids=types)
+    cli = [sys.executable, "-m", "mxc.compiler.cli", "forward", str(root / "mxc"), "--tokens", str(tmp_path / "t.npy"),
+           "--images", str(tmp_path / "in.npz"), "-o", str(tmp_path / "l.npy")]
+    bad = subprocess.run(cli, capture_output=True, text=True)
+    assert bad.returncode != 0 and "pixel_values must be [images, 3, 28, 28]" in bad.stderr
+    assert "Traceback" not in bad.stderr

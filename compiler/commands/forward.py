@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from mxc.compiler.commands import UserError
+from mxc.compiler.commands.images import add_images_argument, read_images
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -50,6 +51,7 @@ def register(subparsers) -> None:
     add_model_arguments(parser)
     parser.add_argument("--tokens", required=True, metavar="TOKENS.npy")
     parser.add_argument("-o", "--output", required=True, metavar="LOGITS.npy")
+    add_images_argument(parser)
     parser.set_defaults(func=handler)
 
 
@@ -61,7 +63,8 @@ def handler(args: argparse.Namespace) -> int:
 
     spec, params = load(args)
     tokens = read_tokens(args.tokens, spec.vocab, "--tokens")
-    run = jax.jit(lambda p, t: forward(spec, p, t, dtype=args.dtype)[0])
-    logits = np.asarray(run(params, tokens.astype(np.int32)), dtype=np.float32)
+    images = read_images(args.images, spec, tokens)
+    run = jax.jit(lambda p, t, images: forward(spec, p, t, dtype=args.dtype, **images)[0])
+    logits = np.asarray(run(params, tokens.astype(np.int32), images), dtype=np.float32)
     np.save(args.output, logits)
     return 0

@@ -8,6 +8,7 @@ import argparse
 
 from mxc.compiler.commands import UserError
 from mxc.compiler.commands.forward import add_model_arguments, load
+from mxc.compiler.commands.images import add_images_argument, read_images
 
 
 def register(subparsers) -> None:
@@ -29,6 +30,7 @@ def register(subparsers) -> None:
                     "    (python -m mxc.runtime generate); --params CKPT is required, the dtype is\n"
                     "    the artifact's (--dtype is refused) and --report writes the timings.")
     add_model_arguments(parser)
+    add_images_argument(parser)
     parser.set_defaults(dtype=None)  # None: not given, so an artifact can refuse it when it is
     add_generation_arguments(parser)
     add_trust_arguments(parser)
@@ -57,7 +59,7 @@ def runtime_arguments(args: argparse.Namespace) -> list[str]:
     return arguments
 
 
-def spec_servable(spec, batch: int, prompt_len: int, cache_len: int, dtype: str):
+def spec_servable(spec, batch: int, prompt_len: int, cache_len: int, dtype: str, images: dict | None = None):
     """The runtime's Servable over prefill and decode jitted from the spec (the functions an
     artifact's serving build compiles), so both forms of MODEL run one driver and one sampler."""
     import jax
@@ -65,7 +67,7 @@ def spec_servable(spec, batch: int, prompt_len: int, cache_len: int, dtype: str)
     from mxc.compiler.lower.decode import serving_steps
     from mxc.runtime.generate import Servable
 
-    run_prefill, run_decode = serving_steps(spec, batch, cache_len, dtype=dtype)
+    run_prefill, run_decode = serving_steps(spec, batch, cache_len, dtype=dtype, images=images)
     return Servable(prefill=jax.jit(run_prefill), decode=jax.jit(run_decode, donate_argnums=2),
                     abstract_params=None, batch=batch, prompt_len=prompt_len, cache_len=cache_len,
                     vocab_size=spec.vocab)
@@ -77,6 +79,8 @@ def handler(args: argparse.Namespace) -> int:
     from mxc.compiler.commands.run import hand_over, is_artifact
 
     if is_artifact(args.model):  # a compiled artifact: served by the runtime's precompiled prefill/decode
+        if args.images:
+            raise UserError("--images runs with a model (a spec or a model directory), not yet with an artifact")
         return hand_over("generate", runtime_arguments(args))
     if args.trusted_key:
         raise UserError(f"--trusted-key checks an artifact's signature; {args.model} is no artifact")
@@ -99,8 +103,10 @@ def handler(args: argparse.Namespace) -> int:
         raise UserError(f"--prompt-tokens {args.prompt_tokens} needs at least one token per row, shape "
                         f"(requests, prompt), not {list(prompts.shape)}")
     width = prompts.shape[1]
+    # Every prompt row is prefilled in one group, so the images' order follows the rows'.
+    images = read_images(getattr(args, "images", None), spec, prompts)
     servable = spec_servable(spec, max(len(prompts), 1), width, width + max(args.max_new, 1) - 1,
-                             args.dtype or "float32")
+                             args.dtype or "float32", images=images or None)
     try:
         tokens, _ = generate(servable, params, prompts, args.max_new, sampling=sampling, seed=args.seed,
                              on_tokens=text.on_tokens if text is not None else None)

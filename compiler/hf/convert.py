@@ -25,7 +25,7 @@ import numpy as np
 from mxc.compiler.hf import safetensors_io
 from mxc.compiler.hf.config_in import spec_from_config
 from mxc.compiler.hf.config_out import config_from_spec
-from mxc.compiler.hf.families import config_for_checkpoint
+from mxc.compiler.hf.families import config_for_checkpoint, renamed
 from mxc.compiler.hf.mapping import LayoutError, ShapeMismatch, tensor_maps
 from mxc.compiler.hf.spec_text import spec_text
 from mxc.compiler.lower.params import param_shapes
@@ -66,8 +66,13 @@ def params_from_tensors(spec: ModelSpec, tensors: dict[str, np.ndarray]) -> dict
 
     dtype = np.dtype(spec.param_dtype) if spec.param_dtype != "bfloat16" else _bfloat16()
     params = jax.tree.map(lambda s: np.zeros(s.shape, dtype), param_shapes(spec))
+    names = renamed(tensors, spec)
+    tensors = {names.get(n, n): t for n, t in tensors.items()}
     expected = set()
+    embedding = None
     for entry in tensor_maps(spec):
+        if getattr(entry, "path", None) == ("embed", "embedding"):
+            embedding = entry.hf_name
         expected.add(entry.hf_name)
         if entry.hf_name not in tensors:
             if getattr(entry, "optional", False):  # a copy of a parameter placed already
@@ -80,7 +85,7 @@ def params_from_tensors(spec: ModelSpec, tensors: dict[str, np.ndarray]) -> dict
     extra = {n for n in tensors if n not in expected and not IGNORED_TENSORS.match(n)}
     if spec.embedding.tied and "lm_head.weight" in extra:
         # Some tied checkpoints store the head anyway; it must be the embedding itself.
-        if not np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+        if not np.array_equal(tensors["lm_head.weight"], tensors[embedding]):
             raise ConversionError("tie_word_embeddings is set, but lm_head.weight differs from the embedding")
         extra.discard("lm_head.weight")
     if extra:
@@ -92,12 +97,18 @@ def params_from_tensors(spec: ModelSpec, tensors: dict[str, np.ndarray]) -> dict
 def tensors_from_params(spec: ModelSpec, params, dtypes: dict[str, str] | None = None) -> dict[str, np.ndarray]:
     """HF tensors from mxc parameters, each in dtypes[name] (default: the parameter's dtype)."""
     dtypes = dtypes or {}
+    names = renamed(dtypes, spec)  # a recorded checkpoint's own spelling is written back
+    original = {canonical: name for name, canonical in names.items()}
+    dtypes = {names.get(n, n): d for n, d in dtypes.items()}
     out = {}
+    embedding = None
     for entry in tensor_maps(spec):
         out[entry.hf_name] = _cast(entry.read(params), dtypes.get(entry.hf_name))
+        if getattr(entry, "path", None) == ("embed", "embedding"):
+            embedding = entry.hf_name
     if spec.embedding.tied and "lm_head.weight" in dtypes:
-        out["lm_head.weight"] = _cast(out["model.embed_tokens.weight"], dtypes["lm_head.weight"])
-    return out
+        out["lm_head.weight"] = _cast(out[embedding], dtypes["lm_head.weight"])
+    return {original.get(n, n): t for n, t in out.items()}
 
 
 def _bfloat16():

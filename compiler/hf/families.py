@@ -16,7 +16,7 @@ from mxc.spec.ir import ModelSpec
 
 # Asked in this order: the first whose `describes` accepts a spec converts it.
 FAMILY_MODULES = ("mxc.compiler.hf.llama4", "mxc.compiler.hf.gpt_oss", "mxc.compiler.hf.mixtral",
-                  "mxc.compiler.hf.deepseek")
+                  "mxc.compiler.hf.deepseek", "mxc.compiler.hf.gemma3_vision")
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,9 @@ class FamilyConverter:
     # (cfg, the checkpoint's tensor names) -> the config those tensors realise, where a family's
     # checkpoints may lack parts their config names (DeepSeek's MTP layers); None: cfg as it is.
     checkpoint_config: Callable[[dict, frozenset[str]], dict] | None = None
+    # The checkpoint's tensor names -> {name: the name tensor_maps uses} for those spelt another
+    # way (Gemma 3's vision checkpoints); None: the maps' names are the only spelling.
+    canonical_names: Callable[..., dict[str, str]] | None = None
 
 
 def converters() -> list[FamilyConverter]:
@@ -50,6 +53,14 @@ def config_for_checkpoint(cfg: dict, tensor_names) -> dict:
     if converter is None or converter.checkpoint_config is None:
         return cfg
     return converter.checkpoint_config(cfg, frozenset(tensor_names))
+
+
+def renamed(names, spec: ModelSpec) -> dict[str, str]:
+    """{checkpoint name: the tensor maps' name} for the names the spec's family spells another way."""
+    converter = converter_for_spec(spec)
+    if converter is None or converter.canonical_names is None:
+        return {}
+    return converter.canonical_names(names)
 
 
 def model_types() -> list[str]:

@@ -92,6 +92,8 @@ def spec_text(spec: ModelSpec, header: str = "") -> str:
         lines.append("  layers = " + ", ".join(_segment_text(s) for s in spec.layers))
     if spec.mtp is not None:
         lines.append(f"  mtp = {value_text(spec.mtp)}")
+    if spec.vision is not None:
+        lines.append(f"  vision = {value_text(spec.vision)}")
     if spec.shard:
         lines.append("  shard { " + "  ".join(f"{axis} -> ({', '.join(mesh)})" for axis, mesh in spec.shard.items())
                      + " }")

@@ -37,13 +37,15 @@ def _temperature(tuning, positions):
 
 def attention_layer(att, params: dict, x: jax.Array, positions: jax.Array, *, cache: dict | None = None,
                     cache_index: jax.Array | None = None, cache_positions: jax.Array | None = None,
-                    segment_ids: jax.Array | None = None, impl: str = "xla") -> tuple[jax.Array, dict | None]:
+                    segment_ids: jax.Array | None = None, image_blocks: jax.Array | None = None,
+                    impl: str = "xla") -> tuple[jax.Array, dict | None]:
     """x [batch, seq, embed] at positions [batch, seq] -> ([batch, seq, embed], updated cache slice).
     segment_ids [batch, seq] keeps a packed sequence's documents apart (training; no cache).
 
     With a cache ({"k", "v"}: [batch, cache_seq, kv_heads, head_dim]) the new keys and values are
     written at cache_index and the query attends to every slot, visible by cache_positions (which
-    the caller has already updated with `positions`)."""
+    the caller has already updated with `positions`).
+    image_blocks [batch, seq]: each token's image (-1 for text), attended both ways (attend)."""
     dtype = x.dtype
     if not stacked_projections():
         q, k, v = (_project(x, params[name], dtype, "bse,ehd->bshd") for name in ("q", "k", "v"))
@@ -67,15 +69,20 @@ def attention_layer(att, params: dict, x: jax.Array, positions: jax.Array, *, ca
 
     new_cache = None
     kv_positions = positions
+    kv_blocks = image_blocks
     if cache is not None:
         new_cache = kv_cache.written(cache, {"k": k, "v": v}, cache_index)  # int8 caches quantize here
         kv_positions = cache_positions
+        if image_blocks is not None:  # the cache's other slots hold text (or nothing)
+            kv_blocks = jax.lax.dynamic_update_slice(jnp.full(cache_positions.shape, -1, jnp.int32),
+                                                     image_blocks.astype(jnp.int32), (0, cache_index))
         k, v = kv_cache.read(new_cache, "k", dtype), kv_cache.read(new_cache, "v", dtype)
 
     scalar = att.query_pre_attn_scalar if att.query_pre_attn_scalar is not None else att.head_dim
     context = attend(q, k, v, q_positions=positions, kv_positions=kv_positions, scale=scalar ** -0.5,
                      window=att.window, chunk=att.chunk, softcap=att.softcap,
-                     sinks=params.get("sinks"), segment_ids=segment_ids, impl=impl)
+                     sinks=params.get("sinks"), segment_ids=segment_ids,
+                     image_blocks=None if image_blocks is None else (image_blocks, kv_blocks), impl=impl)
     context = checkpoint_name(context, CONTEXT)
     out = _project(context, params["o"], dtype, "bshd,hde->bse")
     out = checkpoint_name(constrain(out, RESIDUAL_AXES), "out_proj")

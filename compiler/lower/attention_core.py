@@ -20,12 +20,18 @@ EMPTY_SLOT = 2**30  # position of a cache slot that holds no key yet
 
 
 def visible(q_positions: jax.Array, kv_positions: jax.Array, *, window: int | None = None,
-            chunk: int | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
+            chunk: int | None = None, segment_ids: jax.Array | None = None,
+            image_blocks: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """[batch, seq, kv_seq] booleans: may the query at q_positions see the key at kv_positions?
-    segment_ids [batch, seq] (queries and keys the same tokens) keeps each to its own document."""
+    segment_ids [batch, seq] (queries and keys the same tokens) keeps each to its own document.
+    image_blocks ([batch, seq], [batch, kv_seq]): the image each query and key belongs to (-1 for
+    text); a query also sees the later keys of its own image (Gemma 3), window and chunk still apply."""
     q = q_positions[:, :, None]
     k = kv_positions[:, None, :]
     mask = k <= q
+    if image_blocks is not None:
+        q_block, kv_block = image_blocks[0][:, :, None], image_blocks[1][:, None, :]
+        mask |= (q_block == kv_block) & (q_block >= 0)
     if segment_ids is not None:
         # Positions restart in every document, so a later document's keys can have positions
         # below the query's: only the segment test keeps them out.
@@ -38,8 +44,10 @@ def visible(q_positions: jax.Array, kv_positions: jax.Array, *, window: int | No
     return mask
 
 
-def _attend_xla(q, k, v, *, q_positions, kv_positions, scale, window, chunk, softcap, sinks, segment_ids):
-    mask = visible(q_positions, kv_positions, window=window, chunk=chunk, segment_ids=segment_ids)
+def _attend_xla(q, k, v, *, q_positions, kv_positions, scale, window, chunk, softcap, sinks, segment_ids,
+                image_blocks=None):
+    mask = visible(q_positions, kv_positions, window=window, chunk=chunk, segment_ids=segment_ids,
+                   image_blocks=image_blocks)
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     groups = heads // kv_heads
@@ -67,8 +75,9 @@ IMPLEMENTATIONS = {"xla": _attend_xla}
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, kv_positions: jax.Array,
            scale: float, window: int | None = None, chunk: int | None = None,
            softcap: float | None = None, sinks: jax.Array | None = None,
-           segment_ids: jax.Array | None = None, impl: str = "xla") -> jax.Array:
-    """Causal attention.
+           segment_ids: jax.Array | None = None, image_blocks: tuple | None = None,
+           impl: str = "xla") -> jax.Array:
+    """Causal attention (and bidirectional within an image: image_blocks, see `visible`).
 
     q [batch, seq, heads, head_dim]; k [batch, kv_seq, kv_heads, head_dim]; v [batch, kv_seq,
     kv_heads, value_dim], where value_dim may differ from head_dim (MLA);
@@ -85,9 +94,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, 
     value_dim = v.shape[-1]
     if impl != "xla" and value_dim != q.shape[-1]:
         q, k, v = _equal_head_dims(q, k, v)
+    blocks = {} if image_blocks is None else {"image_blocks": image_blocks}
+    if blocks and impl != "xla":
+        raise ValueError(f"image blocks (bidirectional image attention) run on the xla implementation, not '{impl}'")
     out = IMPLEMENTATIONS[impl](q, k, v, q_positions=q_positions, kv_positions=kv_positions, scale=scale,
                                 window=window, chunk=chunk, softcap=softcap, sinks=sinks,
-                                segment_ids=segment_ids)
+                                segment_ids=segment_ids, **blocks)
     return constrain(out[..., :value_dim], ("batch", "seq", "heads", "head_dim"))
 
 

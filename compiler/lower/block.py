@@ -27,16 +27,18 @@ def _shared_input(h: jax.Array) -> jax.Array:
 def block_layer_with_stats(block: Block, params: dict, x: jax.Array, positions: jax.Array, *,
                            cache: dict | None = None, cache_index: jax.Array | None = None,
                            cache_positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                           impl: str = "xla",
+                           image_blocks: jax.Array | None = None, impl: str = "xla",
                            moe: MoEConfig = MoEConfig()) -> tuple[jax.Array, dict | None, MoEStats | None]:
     """(x after the layer, its updated cache slice, its MoEStats or None for a dense feed-forward).
-    segment_ids [batch, seq]: the documents of a packed training sequence (attention stays inside each)."""
+    segment_ids [batch, seq]: the documents of a packed training sequence (attention stays inside each).
+    image_blocks [batch, seq]: each token's image, -1 for text (attention is bidirectional inside one)."""
     # Named so a remat policy can offload the layer's input (MaxText's main memory lever).
     x = checkpoint_name(x, "decoder_layer_input")
     h = _shared_input(apply_norm(block.norm, params["attention_norm"], x))
     h, new_cache = kind_of(block.attention).apply(block.attention, params["attention"], h, positions, cache=cache,
                                                   cache_index=cache_index, cache_positions=cache_positions,
-                                                  segment_ids=segment_ids, impl=impl)
+                                                  segment_ids=segment_ids, impl=impl,
+                                                  **({} if image_blocks is None else {"image_blocks": image_blocks}))
     if block.post_norm is not None:
         h = apply_norm(block.post_norm, params["attention_post_norm"], h)
     x = constrain(x + h, RESIDUAL_AXES)

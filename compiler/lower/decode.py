@@ -56,16 +56,18 @@ def cache_axes(spec: ModelSpec) -> dict:
 
 
 def prefill(spec: ModelSpec, params: dict, tokens: jax.Array, cache: dict, *, lengths: jax.Array | None = None,
-            dtype=None, attention_impl: str = "xla") -> tuple[jax.Array, dict]:
+            dtype=None, attention_impl: str = "xla", images: dict | None = None) -> tuple[jax.Array, dict]:
     """Run the prompt [batch, seq] into the cache; returns each row's logits [batch, vocab] at its
     last real token. Only those positions go through the output head: the others' logits would
     be thrown away (at a 128-token prompt the head over every position was a sixth of prefill).
 
     `lengths` [batch] lets rows be shorter than seq: they are right-padded, and causal attention
     keeps the padding out of the real tokens. The padding's cache slots are then marked empty, so
-    no later token attends to them and a row's next position is its own length."""
+    no later token attends to them and a row's next position is its own length.
+    `images`: {"pixel_values", "token_type_ids"} for a model with a vision tower (model.decoder_hidden)."""
     start = cache["index"]
-    hidden, cache, _ = decoder_hidden(spec, params, tokens, cache=cache, dtype=dtype, attention_impl=attention_impl)
+    hidden, cache, _ = decoder_hidden(spec, params, tokens, cache=cache, dtype=dtype, attention_impl=attention_impl,
+                                      **(images or {}))
     batch, seq = tokens.shape
     if lengths is None:
         return logits_from_hidden(spec, params, hidden[:, -1:])[:, 0], cache
@@ -94,15 +96,15 @@ def decode_step(spec: ModelSpec, params: dict, tokens: jax.Array, cache: dict, *
 
 
 def serving_steps(spec: ModelSpec, batch: int, cache_len: int, *, dtype=None,
-                  attention_impl: str = "xla") -> tuple[Callable, Callable]:
+                  attention_impl: str = "xla", images: dict | None = None) -> tuple[Callable, Callable]:
     """The two functions a generation driver runs, over a cache of cache_len slots for batch rows:
     prefill(params, tokens [batch, prompt_len], lengths [batch]) -> (logits, cache) on a fresh
     cache, and decode(params, tokens [batch], cache) -> (logits, cache). An artifact's serving
-    build compiles them; `mxc generate MODEL` jits them."""
+    build compiles them; `mxc generate MODEL` jits them. `images` (fixed arrays) go into every prefill."""
 
     def run_prefill(params, tokens, lengths):
         return prefill(spec, params, tokens, init_cache(spec, batch, cache_len, dtype), lengths=lengths,
-                       dtype=dtype, attention_impl=attention_impl)
+                       dtype=dtype, attention_impl=attention_impl, images=images)
 
     def run_decode(params, tokens, cache):
         return decode_step(spec, params, tokens, cache, dtype=dtype, attention_impl=attention_impl)

@@ -61,7 +61,7 @@ def output_head(spec: ModelSpec, params: dict, x: jax.Array) -> jax.Array:
 
 def run_segment(spec: ModelSpec, segment: Segment, params: list, x: jax.Array, positions: jax.Array, *,
                 cache: list | None = None, cache_index=None, cache_positions=None, segment_ids=None,
-                remat_policy=None, attention_impl: str = "xla",
+                image_blocks=None, remat_policy=None, attention_impl: str = "xla",
                 moe: MoEConfig = MoEConfig()) -> tuple[jax.Array, list | None, list]:
     """Scan the segment's period over its stacked layers; returns (x, the segment's new cache,
     its MoE statistics per period block)."""
@@ -73,7 +73,8 @@ def run_segment(spec: ModelSpec, segment: Segment, params: list, x: jax.Array, p
             x, c, s = block_layer_with_stats(spec.blocks[name], layer_params[p], x, positions,
                                              cache=None if layer_cache is None else layer_cache[p],
                                              cache_index=cache_index, cache_positions=cache_positions,
-                                             segment_ids=segment_ids, impl=attention_impl, moe=moe)
+                                             segment_ids=segment_ids, image_blocks=image_blocks,
+                                             impl=attention_impl, moe=moe)
             new_cache.append(c)
             stats.append(s)
         return x, (new_cache if layer_cache is not None else None, stats)
@@ -97,10 +98,15 @@ def forward_with_aux(spec: ModelSpec, params: dict, tokens: jax.Array, **kwargs)
 @quantized_as_spec
 def decoder_hidden(spec: ModelSpec, params: dict, tokens: jax.Array, *, positions: jax.Array | None = None,
                    segment_ids: jax.Array | None = None, cache: dict | None = None, remat_policy=None,
-                   attention_impl: str = "xla",
+                   attention_impl: str = "xla", pixel_values: jax.Array | None = None,
+                   token_type_ids: jax.Array | None = None,
                    dtype=None, moe: MoEConfig = MoEConfig()) -> tuple[jax.Array, dict | None, list]:
     """`forward_with_aux` up to the last layer's output x [batch, seq, embed], before the final
-    norm: (x, new_cache, moe_stats). DeepSeek V3's multi-token prediction starts from it."""
+    norm: (x, new_cache, moe_stats). DeepSeek V3's multi-token prediction starts from it.
+    pixel_values [images, channels, height, width] (a model with a vision tower): the encoded images
+    replace the embeddings of the image placeholders in `tokens`, in order; token_type_ids
+    [batch, seq] (1 for image tokens; default: the placeholders) marks the tokens that attend
+    bidirectionally within their image where the tower's entry asks for it."""
     dtype = jnp.dtype(dtype or spec.compute_dtype)
     batch, seq = tokens.shape
     start = 0 if cache is None else cache["index"]
@@ -113,12 +119,18 @@ def decoder_hidden(spec: ModelSpec, params: dict, tokens: jax.Array, *, position
     if cache is not None:
         cache_positions = jax.lax.dynamic_update_slice(cache["positions"], positions, (0, start))
     x = embed(spec, params, tokens, dtype)
+    image_blocks = None
+    if pixel_values is not None:
+        from mxc.compiler.lower import vision
+
+        x, image_blocks = vision.with_images(spec, params, tokens, x, pixel_values, token_type_ids)
     new_segments, moe_stats = [], []
     for s, segment in enumerate(spec.layers):
         x, seg_cache, seg_stats = run_segment(spec, segment, params["segments"][s], x, positions,
                                               cache=None if cache is None else cache["segments"][s],
                                               cache_index=start, cache_positions=cache_positions,
-                                              segment_ids=segment_ids, remat_policy=remat_policy,
+                                              segment_ids=segment_ids, image_blocks=image_blocks,
+                                              remat_policy=remat_policy,
                                               attention_impl=attention_impl, moe=moe)
         new_segments.append(seg_cache)
         moe_stats.append(seg_stats)
