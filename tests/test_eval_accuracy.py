@@ -139,6 +139,24 @@ def test_bad_inputs_are_one_clear_error(models, capsys, tmp_path):
     assert f"mxc: error: {bad}" in capsys.readouterr().err
     assert main(["eval", "accuracy", model, "--text", str(TEXT), *SIZES]) == 1
     assert "--tokenizer" in capsys.readouterr().err
+    assert main(["eval", "accuracy", model, "--text", str(TEXT), "--tokenizer", "bytes", "--quantize", "int3", *SIZES]) == 1
+    assert "mxc: error: --quantize: unknown quantization 'int3'" in capsys.readouterr().err
+
+
+def test_a_quantized_model_directory_measures_accuracy_alone(models, float32_run):
+    """--quantize int8 quantizes the directory's float weights as `mxc quantize` does; --only
+    accuracy leaves the speed cells empty."""
+    result = _evaluate(str(models[0]), "--reference", str(float32_run[1]), "--quantize", "int8", "--only", "accuracy")
+    assert result["precision"] == "int8 (fp32 compute)"
+    assert 80.0 <= result["top1"] < 100.0 and result["top5"] >= 95.0
+    assert result["tokens_per_second_per_user"] is None and result["ttft_ms"] is None
+
+
+@pytest.mark.slow
+def test_speed_alone_needs_no_reference(models):
+    result = _evaluate(str(models[0]), "--only", "speed")
+    assert result["top1"] is None and result["top5"] is None and "segments" not in result
+    assert result["tokens_per_second_per_user"] > 0 and result["ttft_ms"] > 0
 
 
 @pytest.mark.slow
@@ -169,3 +187,6 @@ def test_the_markdown_row_has_the_columns_of_the_header():
                      "top5": 100.0, "tokens_per_second_per_user": 31.25, "ttft_ms": 338.4})
     assert row == "| m | CPU (2 cores) | int8 (fp32 compute) | 97.6 | 100.0 | 31.2 | 338 |"
     assert row.count("|") == TABLE_HEADER.splitlines()[0].count("|")
+    unmeasured = table_row({"model": "m", "device": "d", "precision": "fp32", "top1": None, "top5": None,
+                            "tokens_per_second_per_user": 31.25, "ttft_ms": 338.4})
+    assert unmeasured == "| m | d | fp32 | – | – | 31.2 | 338 |"

@@ -41,6 +41,12 @@ def register(subparsers) -> None:
     parser.add_argument("--params", metavar="CKPT", help="parameter checkpoint (default: MODEL/params)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="compute dtype of a spec or model directory (default: float32)")
+    parser.add_argument("--quantize", metavar="CONFIG",
+                        help="serve a spec or model directory at this precision (int8, w8a8, int4, int4-mlp, fp8, "
+                             "bf16, int8-kv, ...; docs/quantization.md): its weights quantized here as `mxc "
+                             "quantize` does, then the same serving functions as `mxc compile --quantize` runs")
+    parser.add_argument("--only", choices=("accuracy", "speed"),
+                        help="measure only the accuracy (no speed run) or only the speed (no reference needed)")
     parser.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to measure on")
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="tokenizer.json, a sentencepiece .model, a directory holding tokenizer.json, or "
@@ -78,11 +84,18 @@ def handler(args: argparse.Namespace) -> int:
                         "when it was compiled")
     if artifact and args.params is None:
         raise UserError("measuring an artifact needs --params CKPT")
-    if artifact and args.reference is None:
+    if artifact and args.quantize is not None:
+        raise UserError(f"--quantize does not apply to the artifact {args.model}: its precision was fixed when it "
+                        "was compiled (mxc compile --quantize)")
+    if artifact and args.reference is None and args.only != "speed":
         raise UserError(f"{args.model} is an artifact: give the full-precision reference with --reference "
                         "REF.npz or --reference MODEL_DIR")
     if args.prefill < 1 or args.decode < 0 or args.speed_prompt < 1 or args.speed_steps < 1:
         raise UserError("--prefill, --speed-prompt and --speed-steps must be at least 1, --decode at least 0")
+    if args.quantize is not None:
+        from mxc.compiler.commands.compile import quantization_name
+
+        quantization_name(args.quantize)  # a misspelt name fails before anything is loaded
     tokenizer = _tokenizer(args)
     tokens = _text_tokens(args.text, tokenizer, args.prefill + args.decode + 1)
 
@@ -91,41 +104,49 @@ def handler(args: argparse.Namespace) -> int:
     else:
         servable, params, speed_servable, name, precision = _spec_model(args)
     _check_vocabulary(tokens, servable.vocab_size, args.text)
-    reference = _reference(args, tokens)
+    result = {"model": args.name or name, "device": device_label(), "precision": args.precision or precision,
+              "top1": None, "top5": None, "tokens_per_second_per_user": None, "ttft_ms": None,
+              "prefill": args.prefill, "decode": args.decode, "text": os.path.basename(args.text)}
     try:
-        check_reference(reference, tokens, args.reference or args.model)
-        if args.save_reference:
-            reference.save(args.save_reference)
-        predictions = teacher_forced_predictions(servable, params, tokens, args.prefill, args.decode)
-        scores = score(predictions, reference, args.prefill)
-        speed = measure_speed(speed_servable, params, tokens, args.speed_prompt, args.speed_steps)
+        if args.only != "speed":
+            reference = _reference(args, tokens)
+            check_reference(reference, tokens, args.reference or args.model)
+            if args.save_reference:
+                reference.save(args.save_reference)
+            predictions = teacher_forced_predictions(servable, params, tokens, args.prefill, args.decode)
+            scores = score(predictions, reference, args.prefill)
+            result.update(top1=round(scores.top1, 2), top5=round(scores.top5, 2), scored_positions=scores.positions,
+                          scored_against="reference",
+                          segments=[{"first_position": first, "top1": round(top1, 2), "top5": round(top5, 2)}
+                                    for first, top1, top5 in scores.segments])
+        if args.only != "accuracy":
+            speed = measure_speed(speed_servable, params, tokens, args.speed_prompt, args.speed_steps)
+            result.update(tokens_per_second_per_user=round(speed.tokens_per_second_per_user, 2),
+                          ttft_ms=round(speed.ttft_ms, 1), speed_prompt_tokens=speed.prompt_tokens,
+                          speed_decode_steps=speed.decode_steps, speed_prefill_width=speed.prefill_width)
     except AccuracyError as err:
         raise UserError(str(err)) from None
 
-    result = {"model": args.name or name, "device": device_label(), "precision": args.precision or precision,
-              "top1": round(scores.top1, 2), "top5": round(scores.top5, 2),
-              "tokens_per_second_per_user": round(speed.tokens_per_second_per_user, 2),
-              "ttft_ms": round(speed.ttft_ms, 1), "scored_positions": scores.positions,
-              "prefill": args.prefill, "decode": args.decode, "scored_against": "reference",
-              "speed_prompt_tokens": speed.prompt_tokens, "speed_decode_steps": speed.decode_steps,
-              "speed_prefill_width": speed.prefill_width, "text": os.path.basename(args.text),
-              "segments": [{"first_position": first, "top1": round(top1, 2), "top5": round(top5, 2)}
-                           for first, top1, top5 in scores.segments]}
     if args.json:
         print(json.dumps(result))
         return 0
     print(TABLE_HEADER)
     print(table_row(result))
     if args.segments:
-        for segment in result["segments"]:
+        for segment in result.get("segments", ()):
             print(f"positions from {segment['first_position']}: top-1 {segment['top1']:.1f}%, "
                   f"top-5 {segment['top5']:.1f}%")
     return 0
 
 
 def table_row(result: dict) -> str:
-    return (f"| {result['model']} | {result['device']} | {result['precision']} | {result['top1']:.1f} | "
-            f"{result['top5']:.1f} | {result['tokens_per_second_per_user']:.1f} | {result['ttft_ms']:.0f} |")
+    """One markdown row; a measurement not taken (--only) is a dash."""
+    def cell(key: str, digits: int) -> str:
+        value = result.get(key)
+        return "–" if value is None else f"{value:.{digits}f}"
+
+    return (f"| {result['model']} | {result['device']} | {result['precision']} | {cell('top1', 1)} | "
+            f"{cell('top5', 1)} | {cell('tokens_per_second_per_user', 1)} | {cell('ttft_ms', 0)} |")
 
 
 def device_label() -> str:
@@ -185,6 +206,8 @@ def _spec_model(args):
 
     spec, params = load(args)
     dtype = args.dtype or "float32"
+    if args.quantize is not None:
+        spec, params = _quantized(spec, params, args.quantize)
     cache = args.prefill + args.decode
     # The prefill is as wide as the measurement's, so that the accuracy's prefill is one call; the
     # speed's own prefill is the prompt's width (an artifact has one width for both).
@@ -192,7 +215,25 @@ def _spec_model(args):
     speed_cache = max(cache, args.speed_prompt + args.speed_steps)
     speed = (servable if (args.speed_prompt, speed_cache) == (args.prefill, cache)
              else spec_servable(spec, 1, args.speed_prompt, speed_cache, dtype))
-    return servable, params, speed, spec.name, {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+    precision = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+    if spec.quantize not in (None, "fp32", precision):
+        precision = f"{spec.quantize} ({precision} compute)"
+    return servable, params, speed, spec.name, precision
+
+
+def _quantized(spec, params, name: str):
+    """The spec at quantization `name` and its parameters quantized as `mxc quantize` writes them."""
+    import jax
+
+    from mxc.compiler.commands.compile import quantization_name, with_quantization
+    from mxc.compiler.quant.config import parse
+    from mxc.compiler.quant.params import quantize_params
+
+    spec = with_quantization(spec, quantization_name(name))
+    config = parse(spec.quantize)
+    if config.quantizes_weights:
+        params = jax.jit(lambda p: quantize_params(spec, p, config))(params)
+    return spec, params
 
 
 def _artifact(args):
