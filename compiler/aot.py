@@ -128,7 +128,7 @@ def train_step_function(spec: ModelSpec, plan: Plan, mesh: Mesh, optimizer: Opti
     batch = abstract_batch(plan.batch, plan.seq)
     # The plan's expert path (dropless, capacity, megablox) is what XLA's verdict was about.
     step = make_train_step(spec, optimizer, microbatches=plan.microbatches, remat=plan.remat,
-                           attention_impl=plan.attention, moe=plan.moe_config())
+                           attention_impl=plan.attention, moe=plan.moe_config(), pipeline=plan.pipeline_layout())
     schedule = abstract_schedule()
 
     def scheduled_step(state, batch, scalars):

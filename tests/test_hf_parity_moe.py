@@ -190,10 +190,12 @@ def test_hub_spelling_of_qwen3_moe_gives_the_same_spec():
     assert spec_from_config(hub, "m") == spec_from_config(config, "m")
 
 
-def test_multimodal_llama4_is_refused_with_a_hint():
+def test_multimodal_llama4_without_its_text_sizes_is_a_config_error():
+    # Llama4ForConditionalGeneration imports (tests/test_llama4_vision.py); a text_config without
+    # its sizes is one clear error.
     from mxc.compiler.hf.config_in import ConfigError, spec_from_config
 
-    with pytest.raises(ConfigError, match="model_type llama4_text"):
+    with pytest.raises(ConfigError, match="text_config has no"):
         spec_from_config({"model_type": "llama4", "text_config": {}}, "m")
 
 

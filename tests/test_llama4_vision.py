@@ -11,7 +11,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from mxc.compiler.hf.config_in import ConfigError  # noqa: E402
-from mxc.compiler.hf.llama4_vision import config_from_tower, tensor_maps, tower_from_config  # noqa: E402
+from mxc.compiler.hf.llama4_vision import config_from_tower, tower_from_config  # noqa: E402
+from mxc.compiler.hf.llama4_vision import vision_tensor_maps as tensor_maps  # noqa: E402
 from mxc.compiler.kinds import vision as vision_kind  # noqa: E402
 from mxc.compiler.lower import vision_llama4  # noqa: E402
 from mxc.compiler.lower.param_def import is_def  # noqa: E402
@@ -24,7 +25,7 @@ VISION = dict(image_size=32, patch_size=4, num_channels=3, hidden_size=32, num_a
               rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
 TEXT = dict(vocab_size=128, hidden_size=TEXT_D_MODEL, intermediate_size=64, intermediate_size_mlp=96,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            num_local_experts=2, attention_chunk_size=16)
+            num_local_experts=2, attention_chunk_size=16, no_rope_layers=[1, 0])
 IMAGE_TOKENS = dict(image_token_index=100, boi_token_index=98, eoi_token_index=99)
 
 

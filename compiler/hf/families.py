@@ -15,8 +15,8 @@ from typing import Callable, Iterator
 from mxc.spec.ir import ModelSpec
 
 # Asked in this order: the first whose `describes` accepts a spec converts it.
-FAMILY_MODULES = ("mxc.compiler.hf.llama4", "mxc.compiler.hf.gpt_oss", "mxc.compiler.hf.mixtral",
-                  "mxc.compiler.hf.deepseek", "mxc.compiler.hf.gemma3_vision")
+FAMILY_MODULES = ("mxc.compiler.hf.llama4", "mxc.compiler.hf.llama4_vision", "mxc.compiler.hf.gpt_oss",
+                  "mxc.compiler.hf.mixtral", "mxc.compiler.hf.deepseek", "mxc.compiler.hf.gemma3_vision")
 
 
 @dataclass(frozen=True)

@@ -92,8 +92,8 @@ def _llama_family():
 
 def describes(spec: ModelSpec) -> bool:
     blocks = list(spec.blocks.values())
-    if any(isinstance(b.attention, MLA) for b in blocks):
-        return False
+    if spec.vision is not None or any(isinstance(b.attention, MLA) for b in blocks):
+        return False  # with a vision tower: compiler/hf/llama4_vision.py
     return any(b.attention.chunk is not None or b.attention.temperature_tuning is not None
                or b.attention.rope is not None and b.attention.rope.interleaved
                or isinstance(b.mlp, MoE) and b.mlp.router.weight_on == "input" for b in blocks)

@@ -1,20 +1,29 @@
-"""Llama 4's vision tower and multi-modal projector (Llama4ForConditionalGeneration): the HF
-config's vision_config and image token ids <-> spec.ir.VisionTower, and HF tensor names <-> the
-tower's parameters (layout in mxc.compiler.lower.vision_llama4).
+"""Llama 4 with images (model_type llama4, Llama4ForConditionalGeneration): the Llama 4 text model
+(text_config, read as llama4_text by compiler/hf/llama4.py), the vision tower and the multi-modal
+projector. The config's vision_config and image token ids <-> spec.ir.VisionTower, and HF tensor
+names <-> the tower's parameters (layout in mxc.compiler.lower.vision_llama4).
 
-HF names the tower `vision_model.*` and the projector `multi_modal_projector.linear_1`; the
-encoder's layers are `vision_model.model.layers.N.*`, the adapter `vision_model.vision_adapter.mlp.fc1/fc2`.
-Every conversion is a transpose or reshape, so import and export are exact inverses.
+Checkpoints (transformers' save_pretrained and the hub's) name the text model's tensors as
+Llama4ForCausalLM does under `language_model.`, the tower `vision_model.*` (encoder layers
+`vision_model.model.layers.N.*`, the adapter `vision_model.vision_adapter.mlp.fc1/fc2`) and the
+projector `multi_modal_projector.linear_1`. Every conversion is a transpose or reshape, so import
+and export are exact inverses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator
 
-from mxc.compiler.hf.config_in import ConfigError
+from mxc.compiler.hf import llama4
+from mxc.compiler.hf.config_in import ConfigError, config_dtype
+from mxc.compiler.hf.families import FamilyConverter
 from mxc.compiler.hf.mapping import LayoutError, TensorMap, _heads_bias, _heads_in, _heads_out, _same, _transpose
 from mxc.spec.ir import (MHA, MLP, AxialRope, EncoderBlock, ImagePlaceholders, LayerNorm, LearnedPositions,
                          ModelSpec, Patches, PixelShuffleProjector, VisionTower)
+
+ARCHITECTURES = {"llama4": "Llama4ForConditionalGeneration"}
+TEXT = "language_model."
 
 # Llama4Config's defaults for the image tokens (image_token_index, boi_token_index, eoi_token_index).
 IMAGE_TOKENS = {"image_token_index": 200092, "boi_token_index": 200080, "eoi_token_index": 200081}
@@ -71,8 +80,31 @@ def tower_from_config(cfg: dict) -> VisionTower:
         rope=AxialRope(theta=float(rope.get("rope_theta", vision_cfg.get("rope_theta", 10000.0)))))
 
 
-def describes(tower: VisionTower | None) -> bool:
-    return tower is not None and isinstance(tower.projector, PixelShuffleProjector)
+def spec_from_config(cfg: dict, name: str, param_dtype: str | None = None) -> ModelSpec:
+    text_cfg = dict(cfg.get("text_config") or {})
+    text_cfg.setdefault("model_type", "llama4_text")
+    if text_cfg["model_type"] != "llama4_text":
+        raise ConfigError(f"text_config.model_type '{text_cfg['model_type']}': Llama 4's text model is llama4_text")
+    try:
+        text = llama4.spec_from_config(text_cfg, name, param_dtype or config_dtype(cfg))
+    except KeyError as err:
+        raise ConfigError(f"text_config has no {err.args[0]}") from None
+    return text.model_copy(update={"vision": tower_from_config(cfg)})
+
+
+def describes(spec: ModelSpec) -> bool:
+    return spec.vision is not None and isinstance(spec.vision.projector, PixelShuffleProjector)
+
+
+def _text(spec: ModelSpec) -> ModelSpec:
+    return spec.model_copy(update={"vision": None})
+
+
+def config_from_spec(spec: ModelSpec) -> dict:
+    text_cfg = llama4.config_from_spec(_text(spec))
+    text_cfg.pop("architectures")
+    return {"architectures": [ARCHITECTURES["llama4"]], "model_type": "llama4", "dtype": spec.param_dtype,
+            "tie_word_embeddings": spec.embedding.tied, "text_config": text_cfg, **config_from_tower(spec.vision)}
 
 
 def config_from_tower(tower: VisionTower) -> dict:
@@ -113,8 +145,16 @@ def _layernorm(hf: str, path: tuple, layer=None) -> Iterator[TensorMap]:
     yield TensorMap(hf + ".bias", path + ("bias",), layer, _same, _same)
 
 
-def tensor_maps(spec: ModelSpec) -> Iterator[TensorMap]:
-    """Every HF tensor of the tower and projector (under params["vision"])."""
+def tensor_maps(spec: ModelSpec) -> Iterator:
+    """Every HF tensor: the text model's as Llama4ForCausalLM names them under `language_model.`,
+    then the tower's and projector's."""
+    for entry in llama4.tensor_maps(_text(spec)):
+        yield dataclasses.replace(entry, hf_name=TEXT + entry.hf_name)
+    yield from vision_tensor_maps(spec)
+
+
+def vision_tensor_maps(spec: ModelSpec) -> Iterator[TensorMap]:
+    """The tower's and projector's tensors (under params["vision"])."""
     tower, base, hf = spec.vision, ("vision",), "vision_model."
     heads, head_dim = tower.block.attention.heads, tower.block.attention.head_dim
     yield TensorMap(hf + "patch_embedding.linear.weight", base + ("patches", "kernel"), None, *_patches(tower))
@@ -143,3 +183,7 @@ def tensor_maps(spec: ModelSpec) -> Iterator[TensorMap]:
                         _transpose, _transpose)
     yield TensorMap("multi_modal_projector.linear_1.weight", base + ("projector", "kernel"), None,
                     _transpose, _transpose)
+
+
+CONVERTER = FamilyConverter(model_types=("llama4",), architectures=ARCHITECTURES, spec_from_config=spec_from_config,
+                            config_from_spec=config_from_spec, describes=describes, tensor_maps=tensor_maps)

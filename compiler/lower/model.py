@@ -85,6 +85,12 @@ def run_segment(spec: ModelSpec, segment: Segment, params: list, x: jax.Array, p
     return x, new_cache, stats
 
 
+def _pipelined_segment_index(spec: ModelSpec) -> int:
+    from mxc.compiler.lower.pipeline import pipelined_segment_index  # the planner's import, only with stages
+
+    return pipelined_segment_index(spec)
+
+
 def forward(spec: ModelSpec, params: dict, tokens: jax.Array, **kwargs) -> tuple[jax.Array, dict | None]:
     logits, new_cache, _ = forward_with_aux(spec, params, tokens, **kwargs)
     return logits, new_cache
@@ -100,7 +106,7 @@ def decoder_hidden(spec: ModelSpec, params: dict, tokens: jax.Array, *, position
                    segment_ids: jax.Array | None = None, cache: dict | None = None, remat_policy=None,
                    attention_impl: str = "xla", pixel_values: jax.Array | None = None,
                    token_type_ids: jax.Array | None = None,
-                   dtype=None, moe: MoEConfig = MoEConfig()) -> tuple[jax.Array, dict | None, list]:
+                   dtype=None, moe: MoEConfig = MoEConfig(), pipeline=None) -> tuple[jax.Array, dict | None, list]:
     """`forward_with_aux` up to the last layer's output x [batch, seq, embed], before the final
     norm: (x, new_cache, moe_stats). DeepSeek V3's multi-token prediction starts from it.
     pixel_values [images, channels, height, width] (a model with a vision tower): the encoded images
@@ -126,6 +132,19 @@ def decoder_hidden(spec: ModelSpec, params: dict, tokens: jax.Array, *, position
         x, image_blocks = vision.with_images(spec, params, tokens, x, pixel_values, token_type_ids)
     new_segments, moe_stats = [], []
     for s, segment in enumerate(spec.layers):
+        if pipeline is not None and s == _pipelined_segment_index(spec):
+            # A plan with stages (pipeline: pipeline.PipelineLayout) trains its largest segment
+            # through the circular pipeline; the parameters keep the flat layer order.
+            from mxc.compiler.lower.pipeline import pipelined_segment
+
+            if cache is not None:
+                raise ValueError("a pipeline runs training steps; a KV cache runs without one")
+            x, seg_stats = pipelined_segment(spec, segment, params["segments"][s], x, positions, layout=pipeline,
+                                             segment_ids=segment_ids, remat_policy=remat_policy,
+                                             attention_impl=attention_impl, moe=moe)
+            new_segments.append(None)
+            moe_stats.append(seg_stats)
+            continue
         x, seg_cache, seg_stats = run_segment(spec, segment, params["segments"][s], x, positions,
                                               cache=None if cache is None else cache["segments"][s],
                                               cache_index=start, cache_positions=cache_positions,

@@ -30,9 +30,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mxc.compiler.lower.moe import MoEConfig, MoEStats
 from mxc.compiler.lower.sharding import active_rules, constrain
+from mxc.compiler.plan.plan import STAGE_AXIS  # the mesh axis the stage dimension is split over
 from mxc.spec.ir import ModelSpec, Segment
 
-STAGE_AXIS = "stage"  # the mesh axis the stage dimension is split over
 STAGE_RESIDUAL_AXES = ("stage", "batch", "residual_seq", "embed")
 
 
@@ -68,6 +68,12 @@ class PipelineLayout(NamedTuple):
             # A microbatch leaving the last stage must find stage 0 free for its next repeat.
             raise ValueError(f"a circular pipeline needs at least as many microbatches ({self.microbatches}) "
                              f"as stages ({self.stages})")
+
+
+def pipelined_segment_index(spec: ModelSpec) -> int:
+    """The segment a plan with stages pipelines: the one with the most layers (the first of those)."""
+    repeats = [segment.repeat for segment in spec.layers]
+    return repeats.index(max(repeats))
 
 
 def _split(x: jax.Array, parts: int) -> jax.Array:
@@ -106,6 +112,23 @@ def _stage_vmap(f, stage_count: int):
     return jax.vmap(f)
 
 
+def _whole_batch_for_experts(spec: ModelSpec, segment: Segment):
+    """Inside the stages' vmap, MoE layers route the whole microbatch under XLA's partitioner: their
+    per-batch-shard shard_map does not take the vmapped stage dimension (jax 0.10.2: its operand
+    arrives split over `stage` where the region expects it whole). Dense segments keep the rules."""
+    from contextlib import nullcontext
+
+    from mxc.compiler.kinds import kind_of
+    from mxc.compiler.lower.sharding import use_rules
+
+    active = active_rules()
+    routed = any(kind_of(spec.blocks[name].mlp).routing(spec.blocks[name].mlp) is not None for name in segment.period)
+    if active is None or not routed:
+        return nullcontext()
+    mesh, rules = active
+    return use_rules(mesh, {**rules, "batch": ()})
+
+
 def _per_microbatch_stats(stats: list, microbatches: int) -> list:
     """Statistics summed over microbatches → the train step's per-microbatch convention."""
     return [None if s is None else s._replace(aux_loss=s.aux_loss / microbatches) for s in stats]
@@ -138,7 +161,9 @@ def pipelined_segment(spec: ModelSpec, segment: Segment, params: list, x: jax.Ar
 
     def stage(stage_params, repeat, x, pos, seg):
         group = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, keepdims=False), stage_params)
-        y, _, stats = run_segment(spec, segment, group, x, pos, segment_ids=seg, attention_impl=attention_impl, moe=moe)
+        with _whole_batch_for_experts(spec, segment):
+            y, _, stats = run_segment(spec, segment, group, x, pos, segment_ids=seg, attention_impl=attention_impl,
+                                      moe=moe)
         return y, stats
 
     def iteration(carry, t):

@@ -132,9 +132,11 @@ def make_eval_step(spec: ModelSpec, *, attention_impl: str = "xla", z_loss_weigh
 
 
 def model_loss_sums(spec: ModelSpec, *, remat: str = "none", attention_impl: str = "xla",
-                    z_loss_weight: float = 0.0, moe: MoEConfig = MoEConfig(), with_mtp: bool = True) -> LossSumsFn:
+                    z_loss_weight: float = 0.0, moe: MoEConfig = MoEConfig(), with_mtp: bool = True,
+                    pipeline=None) -> LossSumsFn:
     """The training loss's sums; with_mtp adds DeepSeek V3's multi-token prediction term (mtp.py)
-    where the spec has one, and its modules' MoE statistics as one more segment's."""
+    where the spec has one, and its modules' MoE statistics as one more segment's. `pipeline` (a
+    pipeline.PipelineLayout) runs the largest segment through the circular pipeline."""
     # The layer library, imported late to keep this module light.
     from mxc.compiler.lower.model import decoder_hidden, logits_from_hidden
     from mxc.compiler.lower.moe import add_moe_terms
@@ -146,7 +148,7 @@ def model_loss_sums(spec: ModelSpec, *, remat: str = "none", attention_impl: str
     def sums_fn(params, batch: Batch) -> LossSums:
         hidden, _, moe_stats = decoder_hidden(spec, params, batch["inputs"], remat_policy=remat_lib.policy(remat),
                                               positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
-                                              attention_impl=attention_impl, moe=moe)
+                                              attention_impl=attention_impl, moe=moe, pipeline=pipeline)
         sums = loss_sums(logits_from_hidden(spec, params, hidden), batch["targets"], batch["mask"],
                          z_loss_weight=z_loss_weight)
         if with_mtp and spec.mtp is not None:
@@ -169,10 +171,12 @@ def model_optimizer(spec: ModelSpec, config: OptimizerConfig) -> optax.GradientT
 
 def make_train_step(spec: ModelSpec, config: OptimizerConfig, *, microbatches: int = 1,
                     remat: str = "full", attention_impl: str = "xla", z_loss_weight: float = 0.0,
-                    moe: MoEConfig = MoEConfig()):
+                    moe: MoEConfig = MoEConfig(), pipeline=None):
     """(TrainState, Batch, learning_rate=None) -> (TrainState, metrics: loss, cross_entropy, z_loss,
     aux_loss, mtp_loss, accuracy, tokens, grad_norm (before clipping), learning_rate (the one this
-    update used)). Without a learning rate, the config's schedule gives it."""
+    update used)). Without a learning rate, the config's schedule gives it. With a `pipeline`
+    (pipeline.PipelineLayout) the pipeline splits the batch into its microbatches, in place of
+    gradient accumulation."""
     from mxc.compiler.lower.moe import has_correction_bias, update_correction_biases
     from mxc.compiler.lower.mtp import update_mtp_correction_biases
 
@@ -186,8 +190,10 @@ def make_train_step(spec: ModelSpec, config: OptimizerConfig, *, microbatches: i
                                                       moe.bias_update_rate)
             return params
     return make_gradient_step(
-        model_loss_sums(spec, remat=remat, attention_impl=attention_impl, z_loss_weight=z_loss_weight, moe=moe),
-        model_optimizer(spec, config), learning_rate_schedule(config), microbatches=microbatches,
+        model_loss_sums(spec, remat=remat, attention_impl=attention_impl, z_loss_weight=z_loss_weight, moe=moe,
+                        pipeline=pipeline),
+        model_optimizer(spec, config), learning_rate_schedule(config),
+        microbatches=1 if pipeline is not None else microbatches,
         after_update=after_update)
 
 

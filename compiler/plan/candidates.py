@@ -14,6 +14,7 @@ from mxc.compiler.plan.choice import Choice
 from mxc.compiler.plan.layout import Parameters
 from mxc.compiler.plan.plan import MESH_AXES, Memory, StepTime
 from mxc.compiler.plan.rules import SEQUENCE_PARALLEL, make_rules, sequence_parallel
+from mxc.compiler.plan.stages import adjust_time, stage_counts, stage_policy, with_stage_rules
 from mxc.compiler.topology import Topology
 from mxc.spec.ir import ModelSpec
 
@@ -76,19 +77,23 @@ def meshes(spec: ModelSpec, topology: Topology, seq: int, pins: Mapping[str, int
                     if c == 1 or (c & (c - 1) == 0 and chips % c == 0 and seq % c == 0
                                   and seq // c >= MIN_CONTEXT_PIECE)],
     }
+    options["stage"] = stage_counts(spec, topology, pins)
     for axis, size in pins.items():
         options[axis] = [size]
     seen = set()
-    for tensor, expert, context in itertools.product(options["tensor"], options["expert"], options["context"]):
-        rest, remainder = divmod(chips, tensor * expert * context)
+    for stage, tensor, expert, context in itertools.product(options["stage"], options["tensor"], options["expert"],
+                                                            options["context"]):
+        rest, remainder = divmod(chips, stage * tensor * expert * context)
         if remainder:
             continue
         for data in divisors(rest):
-            mesh = {"data": data, "fsdp": rest // data, "context": context, "expert": expert, "tensor": tensor}
+            mesh = {"stage": stage, "data": data, "fsdp": rest // data, "context": context, "expert": expert,
+                    "tensor": tensor}
             if any(mesh[axis] != size for axis, size in pins.items()):
                 continue
-            # Slices join over DCN along data (pure data parallelism between slices) or fsdp.
-            spans = [axis for axis in ("data", "fsdp") if mesh[axis] % slices == 0] if slices > 1 else [None]
+            # Slices join over DCN along pipeline stages, data (pure data parallelism between
+            # slices) or fsdp.
+            spans = [axis for axis in ("stage", "data", "fsdp") if mesh[axis] % slices == 0] if slices > 1 else [None]
             for axis in spans:
                 dcn = {axis: slices} if axis else {}
                 key = (tuple(mesh.values()), tuple(dcn.items()))
@@ -106,6 +111,7 @@ def choices(spec: ModelSpec, params: Parameters, topology: Topology, seq: int, b
             rules, notes = make_rules(mesh, params.tensors, pinned_rules)
         except ValueError:  # a pinned rule this mesh would split unevenly
             continue
+        rules = with_stage_rules(rules, mesh, params.tensors)
         base = Choice(spec, params, topology, mesh, dcn, rules, seq, batch, 1, policies[0],
                       attention_for(topology, seq, mesh["context"]), tuple(notes), *expert_settings(spec))
         split = base.split("batch")
@@ -116,7 +122,7 @@ def choices(spec: ModelSpec, params: Parameters, topology: Topology, seq: int, b
             if batch % count or (batch // count) % split:
                 continue
             for layout in layouts:
-                for policy in policies:
+                for policy in [p for p in policies if stage_policy(p, mesh)]:
                     yield replace(layout, microbatches=count, remat=policy)
 
 
@@ -135,7 +141,7 @@ def expert_settings(spec: ModelSpec) -> tuple[str | None, float | None]:
 
 
 def score(choice: Choice) -> Scored:
-    return Scored(choice, memory.predict(choice), cost.step_time(choice))
+    return Scored(choice, memory.predict(choice), adjust_time(choice, cost.step_time(choice)))
 
 
 def fits(item: Scored, hbm: int) -> bool:
@@ -164,7 +170,7 @@ def fastest_fitting(spec: ModelSpec, params: Parameters, topology: Topology, seq
     for choice in choices(spec, params, topology, seq, batch, pins):
         predicted = memory.predict(choice)
         if predicted.total <= topology.usable_hbm_bytes and predicted.host <= memory.host_budget(choice):
-            item = Scored(choice, predicted, cost.step_time(choice))
+            item = Scored(choice, predicted, adjust_time(choice, cost.step_time(choice)))
             if best is None or rank(item) < rank(best):
                 best = item
     return best

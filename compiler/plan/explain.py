@@ -7,6 +7,7 @@ from mxc.compiler.commands.units import duration
 from mxc.compiler.plan import memory
 from mxc.compiler.plan.candidates import Scored, fits, gib, mesh_text, rank
 from mxc.compiler.plan.plan import MESH_AXES, Candidate, Verification
+from mxc.compiler.plan.stages import stage_reasons
 
 CANDIDATES_SHOWN = 6
 
@@ -72,6 +73,7 @@ class Verdicts:
                 reasons.append(f"{knob} {text(choice)}: the best other ({text(best.choice)}) is "
                                f"{self.why_lost(best, chosen)}")
         reasons += [f"rules: {note}" for note in choice.rule_notes]
+        reasons += stage_reasons(chosen)
         reasons.append(f"attention {choice.attention}: "
                        + ("Pallas flash attention, scores never materialised" if choice.attention == "splash"
                           else "the XLA path (splash needs TPU, whole sequences per device, seq % 128 == 0)"))

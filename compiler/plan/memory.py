@@ -20,6 +20,7 @@ from mxc.compiler.kinds import kind_of
 from mxc.compiler.plan.activations import attention_score_bytes, layer_bytes, layer_working_bytes
 from mxc.compiler.plan.choice import Choice, layer_counts
 from mxc.compiler.plan.plan import Memory
+from mxc.compiler.plan.stages import adjust_memory
 
 ADAM_MOMENTS = 2
 
@@ -107,14 +108,14 @@ def predict(choice: Choice) -> Memory:
     # each layer's input and q/k/v offloaded, 112 GiB to host, one microbatch: XLA's device
     # temporaries 26.9 GiB, below the loss peak alone).
     temporaries = max(loss_peak, layer_peak + OFFLOAD_STAGING * host)
-    return Memory(
+    return adjust_memory(choice, Memory(
         parameters=parameters,
         optimizer_state=ADAM_MOMENTS * parameters,
         gradients=parameters * (2 if choice.microbatches > 1 else 1),
         activations=device,
         temporaries=int(temporaries),
         host=host,
-    )
+    ))
 
 
 def kv_cache_bytes(choice: Choice, cache_seq: int, batch: int | None = None) -> int:

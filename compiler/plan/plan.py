@@ -1,8 +1,9 @@
 """The Plan: how one model trains on one topology, as a plain value that checks itself.
 
-A Plan holds the mesh (axis sizes over data, fsdp, context, expert, tensor; the part of each
-that spans slices over the data-centre network), the logical→mesh rules, the remat policy, the
-number of microbatches and the attention implementation; next to them, the evidence: the
+A Plan holds the mesh (axis sizes over stage, data, fsdp, context, expert, tensor; the part of
+each that spans slices over the data-centre network), the logical→mesh rules, the remat policy,
+the number of microbatches, the pipeline's layout where it has stages, and the attention
+implementation; next to them, the evidence: the
 per-device memory the planner predicts, what XLA reports after compiling the train step, the
 estimated step time, the reasons for each choice and the candidates that lost. It is saved as
 JSON and read back by `mxc compile --plan plan.json`.
@@ -19,11 +20,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mxc.spec.ir import LOGICAL_AXES
 
-# The mesh axes a plan sizes, in the order the device mesh is laid out: the last axis gets the
-# closest physical neighbours, so the chattiest parallelism (tensor) goes last.
-MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
-# Pipeline stages: a plan's mesh records the axis (1: no pipeline; stages are not planned yet).
+# Pipeline stages (compiler/lower/pipeline.py splits the stage dimension over this mesh axis).
 STAGE_AXIS = "stage"
+# The mesh axes a plan sizes, in the order the device mesh is laid out: the last axis gets the
+# closest physical neighbours, so the chattiest parallelism (tensor) goes last and the quietest
+# (stage: one activation per microbatch and stage crosses it) first, where slices join.
+MESH_AXES = (STAGE_AXIS, "data", "fsdp", "context", "expert", "tensor")
 FORMAT_VERSION = 1
 
 GIB = 2**30
@@ -138,6 +140,19 @@ class Lowering(_Value):
     quantization: str = "fp32"  # compiler/lower/choices.py's; fp32 in plans saved before it was kept
 
 
+class Pipeline(_Value):
+    """The circular pipeline of a plan with stages (compiler/lower/pipeline.py's PipelineLayout):
+    the model's largest segment of layers laid out [repeats, stages, layers per stage], the batch
+    in `microbatches` (the plan's own: all of them go through the pipeline)."""
+
+    stages: int
+    microbatches: int
+    repeats: int = 1
+    segment: int = 0  # which of the spec's segments is pipelined
+    layers: int = 0  # of that segment's layers, how many the pipeline runs (the rest after it)
+    bubble_fraction: float = 0.0  # (stages - 1) / (microbatches x repeats + stages - 1)
+
+
 class Plan(_Value):
     format_version: int = FORMAT_VERSION
     model: str
@@ -149,11 +164,12 @@ class Plan(_Value):
     hbm_bytes: int
     seq: int
     batch: int  # global, in sequences
-    mesh: dict[str, int]  # every axis of MESH_AXES, its whole size, and the stage axis (1)
+    mesh: dict[str, int]  # every axis of MESH_AXES, its whole size
     dcn: dict[str, int] = {}  # the factor of an axis that spans slices (product: slices)
     rules: dict[str, list[str]]  # logical axis -> mesh axes
     remat: str
     microbatches: int = 1
+    pipeline: Pipeline | None = None  # with mesh.stage > 1
     attention: str = "xla"
     # MoE layers: mxc.compiler.lower.moe's expert path and capacity factor (None without experts)
     expert_path: str | None = None
@@ -180,10 +196,14 @@ class Plan(_Value):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.mesh.get(STAGE_AXIS, 1) != 1:
-            raise ValueError(f"mesh {STAGE_AXIS} {self.mesh[STAGE_AXIS]}: pipeline stages are not planned; "
-                             f"a plan has one stage")
-        unknown = sorted(set(self.mesh) - set(MESH_AXES) - {STAGE_AXIS})
+        stages = self.mesh.get(STAGE_AXIS, 1)
+        if stages > 1 and (self.pipeline is None or self.pipeline.stages != stages
+                           or self.pipeline.microbatches != self.microbatches):
+            raise ValueError(f"mesh {STAGE_AXIS} {stages} needs a pipeline of {stages} stages over the plan's "
+                             f"{self.microbatches} microbatches, not {self.pipeline}")
+        if stages == 1 and self.pipeline is not None:
+            raise ValueError(f"a pipeline of {self.pipeline.stages} stages needs mesh {STAGE_AXIS} {self.pipeline.stages}")
+        unknown = sorted(set(self.mesh) - set(MESH_AXES))
         if unknown:
             raise ValueError(f"unknown mesh axes {unknown}; a plan sizes {', '.join(MESH_AXES)}")
         if math.prod(self.mesh.values()) != self.chips:
@@ -217,13 +237,22 @@ class Plan(_Value):
     def dcn_sizes(self) -> tuple[int, ...]:
         return tuple(self.dcn.get(axis, 1) for axis in MESH_AXES)
 
+    def pipeline_layout(self):
+        """The lowering's PipelineLayout, or None without stages."""
+        from mxc.compiler.lower.pipeline import PipelineLayout
+
+        if self.pipeline is None:
+            return None
+        return PipelineLayout(self.pipeline.stages, self.pipeline.microbatches, self.pipeline.repeats)
+
     def moe_config(self):
         """The lowering's MoEConfig for this plan (its defaults where the model has no experts)."""
         from mxc.compiler.lower.moe import MoEConfig
 
         if self.expert_path is None:
             return MoEConfig()
-        return MoEConfig(path=self.expert_path, capacity_factor=self.capacity_factor)
+        factor = {} if self.capacity_factor is None else {"capacity_factor": self.capacity_factor}
+        return MoEConfig(path=self.expert_path, **factor)  # dropless plans record no factor
 
     def lowering_choices(self):
         """The choices the program's functions are traced under (mxc.compiler.lower.choices)."""
@@ -241,7 +270,8 @@ class Plan(_Value):
     # ---------------------------------------------------------------- JSON
 
     def to_json(self) -> dict:
-        return self.model_dump(mode="json")
+        # A plan without stages reads as before pipelines were planned (no "pipeline" key).
+        return self.model_dump(mode="json", exclude={"pipeline"} if self.pipeline is None else None)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")

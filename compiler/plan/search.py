@@ -17,6 +17,7 @@ from mxc.compiler.plan.explain import Verdicts
 from mxc.compiler.plan.layout import parameters
 from mxc.compiler.plan.plan import MESH_AXES, Lowering, Plan, Verification, spec_hash
 from mxc.compiler.plan.rules import SEQUENCE_PARALLEL, make_rules
+from mxc.compiler.plan.stages import pipeline_for
 from mxc.compiler.topology import Topology
 from mxc.spec.ir import ModelSpec
 
@@ -120,9 +121,6 @@ def _merge_pins(spec: ModelSpec, command_line: dict[str, int]) -> dict[str, int]
     """The spec's `mesh` pins, overridden by the command line's."""
     pins = {axis: size for axis, size in spec.mesh.items()}
     pins.update(command_line)
-    if pins.get("stage", 1) > 1:
-        raise PlanError("pipeline stages are not planned: pin stage=1 or leave it out")
-    pins.pop("stage", None)
     unknown = sorted(set(pins) - set(MESH_AXES))
     if unknown:
         raise PlanError(f"unknown mesh axis {unknown[0]!r} in a pin; the axes are {', '.join(MESH_AXES)}")
@@ -160,7 +158,8 @@ def _plan_value(spec, topology: Topology, seq: int, batch: int, pins, item: Scor
         chip=topology.chip.name, hbm_bytes=topology.usable_hbm_bytes, seq=seq, batch=batch,
         mesh=dict(choice.mesh), dcn=dict(choice.dcn),
         rules={k: list(v) for k, v in choice.rules.items()}, remat=choice.remat,
-        microbatches=choice.microbatches, attention=choice.attention, expert_path=choice.expert_path,
+        microbatches=choice.microbatches, pipeline=pipeline_for(spec, choice.mesh.get("stage", 1), choice.microbatches),
+        attention=choice.attention, expert_path=choice.expert_path,
         capacity_factor=choice.capacity_factor, lowering=_lowering_for(topology), pins=dict(pins), fits=fits_now,
         predicted=item.memory, serving_kv_cache=memory.kv_cache_bytes(choice, seq), xla=verdict, time=verdict.time or item.time)
 

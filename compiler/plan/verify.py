@@ -73,6 +73,7 @@ def estimate_from_text(spec: ModelSpec, plan: Plan, topology: Topology, text: st
     from mxc.compiler.analysis import attention_flops_per_token, summarize
     from mxc.compiler.plan.cost import device_places, program_step_time, program_terms
     from mxc.compiler.plan.hlo_cost import program_cost
+    from mxc.compiler.plan.stages import reported
 
     devices = list(mesh.devices.flat)
     program = program_cost(text, len(devices))
@@ -86,7 +87,8 @@ def estimate_from_text(spec: ModelSpec, plan: Plan, topology: Topology, text: st
         hidden = per_token * tokens * 7 / 6
     terms = program_terms(program, device_places(devices), topology.chip, model_flops, tokens,
                           extra_flops=hidden, microbatches=plan.microbatches)
-    return program_step_time(terms), terms
+    # A pipeline's bubble iterations are in the compiled program: its time holds them already.
+    return reported(plan.pipeline, program_step_time(terms)), terms
 
 
 def verify(spec: ModelSpec, plan: Plan, topology: Topology, found: list | None = None,
