@@ -84,7 +84,21 @@ class YarnScaling(Node):
     truncate: bool = True
 
 
-RopeScaling = Annotated[Union[LinearScaling, Llama3Scaling, YarnScaling], Field(discriminator="kind")]
+class LongRopeScaling(Node):
+    """LongRoPE (Phi-3, Phi-3.5): each rotary frequency divided by its own factor, from the short
+    list while a sequence fits original_max_seq and from the long list once it is longer; cos and
+    sin are scaled by attention_factor, by default sqrt(1 + ln(factor) / ln(original_max_seq))."""
+
+    kind: Literal["longrope"] = "longrope"
+    short_factor: tuple[PositiveFloat, ...]  # one per rotary pair: head_dim / 2 values
+    long_factor: tuple[PositiveFloat, ...]
+    original_max_seq: PositiveInt
+    factor: PositiveFloat  # the context extension, max_seq / original_max_seq in Phi-3's configs
+    attention_factor: PositiveFloat | None = None
+
+
+RopeScaling = Annotated[Union[LinearScaling, Llama3Scaling, YarnScaling, LongRopeScaling],
+                        Field(discriminator="kind")]
 
 
 class Rope(Node):

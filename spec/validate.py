@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from mxc.compiler.kinds import kind_of
-from mxc.spec.ir import ModelSpec
+from mxc.spec.ir import LongRopeScaling, ModelSpec
 
 Report = Callable[..., None]  # report(path, message, hint=None)
 
@@ -22,6 +22,9 @@ def validate(spec: ModelSpec, report: Report) -> None:
             report(at + ("chunk",), "a layer kind takes a sliding window or chunked attention, not both")
         if att.temperature_tuning is not None and att.rope is not None:
             report(at + ("temperature_tuning",), "temperature tuning applies to NoPE layers only (rope = none)")
+        if att.rope is not None and isinstance(att.rope.scaling, LongRopeScaling):
+            _check_longrope(att.rope.scaling, getattr(att, "qk_rope_head_dim", att.head_dim),
+                            at + ("rope", "scaling"), report)
         kind_of(block.mlp).check(block.mlp, base + ("mlp",), report)
     if spec.vision is not None:
         from mxc.compiler.kinds import vision
@@ -36,3 +39,12 @@ def validate(spec: ModelSpec, report: Report) -> None:
     if spec.mtp is not None and spec.mtp.block not in spec.blocks:
         report(("mtp", "block"), f"unknown block '{spec.mtp.block}' for mtp",
                "blocks: " + ", ".join(spec.blocks))
+
+
+def _check_longrope(scaling: LongRopeScaling, rotary_dim: int, at: tuple, report: Report) -> None:
+    # One factor per rotary pair: a list of another length would silently misalign the frequencies.
+    for field in ("short_factor", "long_factor"):
+        given = len(getattr(scaling, field))
+        if given != rotary_dim // 2:
+            report(at + (field,), f"longrope {field} has {given} values; the rotary dimension "
+                                  f"({rotary_dim}) needs {rotary_dim // 2}, one per pair")

@@ -24,12 +24,12 @@ def logits(model, tokens: np.ndarray) -> np.ndarray:
         return model(torch.tensor(tokens)).logits.float().numpy()
 
 
-def hf_generate(model, prompt: np.ndarray):
+def hf_generate(model, prompt: np.ndarray, new: int = NEW):
     """Greedy tokens from transformers, and the smallest top-2 logit gap met on the way (a near
     tie would make the comparison fragile)."""
     with torch.no_grad():
         out = model.generate(torch.tensor(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
-                             max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                             max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
                              output_logits=True, return_dict_in_generate=True)
     step_logits = torch.stack(out.logits, 1).float().numpy()
     top2 = np.sort(step_logits, axis=-1)[..., -2:]

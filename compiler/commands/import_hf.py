@@ -12,8 +12,8 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "import-hf", help="import a HuggingFace checkpoint (config.json + safetensors)",
         description="Read a HuggingFace checkpoint directory (config.json and *.safetensors, sharded with "
-                    "model.safetensors.index.json or not) of a Llama 2/3, Mistral, Gemma 1/2/3, Qwen2 or Qwen3 "
-                    "dense model, and write OUT/model.mspec, OUT/params/ (orbax), OUT/hf/ (what "
+                    "model.safetensors.index.json or not) of a Llama 2/3, Mistral, Gemma 1/2/3, Qwen2, Qwen3 or "
+                    "Phi-3 dense model (or one of the MoE families: docs/hf-import.md), and write OUT/model.mspec, OUT/params/ (orbax), OUT/hf/ (what "
                     "export-hf needs to write the checkpoint back as it was) and, beside the model, the "
                     "checkpoint's tokenizer files (tokenizer.json, tokenizer_config.json, ...) for "
                     "mxc generate --prompt.")

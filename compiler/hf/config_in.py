@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mxc.spec.ir import (GLU, GQA, MHA, MQA, Block, Embedding, LinearScaling, Llama3Scaling, ModelSpec,
-                         RMSNorm, Rope, Segment, YarnScaling)
+from mxc.spec.ir import (GLU, GQA, MHA, MQA, Block, Embedding, LinearScaling, Llama3Scaling, LongRopeScaling,
+                         ModelSpec, RMSNorm, Rope, Segment, YarnScaling)
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -42,6 +42,8 @@ FAMILIES = {
     "mistral": Family(attention_bias=False),
     "qwen2": Family(attention_bias=False, qkv_bias=True),
     "qwen3": Family(qk_norm=True),
+    # Phi-3's fused projections are split and fused again in compiler/hf/phi3.py; its config reads as Llama's.
+    "phi3": Family(attention_bias=False),
     "gemma": Family(gemma=True, tied_default=True),
     "gemma2": Family(gemma=True, post_norm=True, attention_softcap=True, scalar=True,
                      activation_key="hidden_activation", tied_default=True, final_softcap=True),
@@ -67,7 +69,7 @@ def model_type(cfg: dict) -> str:
         hint = ""
         if kind in MULTIMODAL:
             hint = f" (a multimodal model: import its text model, model_type {MULTIMODAL[kind]})"
-        known = [*FAMILIES, *model_types()]
+        known = list(dict.fromkeys([*FAMILIES, *model_types()]))
         raise ConfigError(f"model_type '{kind}' is not imported{hint}; mxc imports: {', '.join(known)}")
     return kind
 
@@ -77,7 +79,7 @@ def layer_types(cfg: dict, kind: str) -> list[str]:
     n = cfg["num_hidden_layers"]
     if cfg.get("layer_types"):
         types = list(cfg["layer_types"])
-    elif kind == "mistral":
+    elif kind in ("mistral", "phi3"):
         types = [SLIDING if cfg.get("sliding_window") else FULL] * n
     elif kind in ("qwen2", "qwen3"):
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
@@ -118,6 +120,8 @@ def _rope_dict(cfg: dict, kind: str, layer_type: str) -> dict:
 def rope_from_config(cfg: dict, kind: str, layer_type: str) -> Rope:
     entry = _rope_dict(cfg, kind, layer_type)
     rope_type = entry.get("rope_type", entry.get("type", "default"))
+    if kind == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # Phi3Config reads the names of its early checkpoints so
     partial = entry.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise ConfigError(f"partial_rotary_factor {partial} is not imported (rotary on the whole head only)")
@@ -138,8 +142,19 @@ def rope_from_config(cfg: dict, kind: str, layer_type: str) -> Rope:
                               beta_fast=entry.get("beta_fast") or 32.0, beta_slow=entry.get("beta_slow") or 1.0,
                               mscale=entry.get("mscale") or 1.0, mscale_all_dim=entry.get("mscale_all_dim") or 0.0,
                               truncate=entry.get("truncate", True))
+    elif rope_type == "longrope":
+        # Phi-3 states original_max_position_embeddings beside the rope entry and no factor: the
+        # factor is then the context extension (transformers' _compute_longrope_parameters).
+        original = entry.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+        if original is None:
+            raise ConfigError("longrope needs original_max_position_embeddings")
+        scaling = LongRopeScaling(short_factor=tuple(entry["short_factor"]), long_factor=tuple(entry["long_factor"]),
+                                  original_max_seq=original,
+                                  factor=entry.get("factor") or cfg["max_position_embeddings"] / original,
+                                  attention_factor=entry.get("attention_factor"))
     else:
-        raise ConfigError(f"rope_type '{rope_type}' is not imported; mxc imports default, linear, llama3 and yarn")
+        raise ConfigError(f"rope_type '{rope_type}' is not imported; mxc imports default, linear, llama3, yarn "
+                          "and longrope")
     return Rope(theta=theta, scaling=scaling)
 
 
@@ -228,7 +243,11 @@ def spec_from_config(cfg: dict, name: str, param_dtype: str | None = None) -> Mo
     if converter is not None:
         spec = converter.spec_from_config(cfg, name, param_dtype)
         return spec.model_copy(update={"compute_dtype": spec.param_dtype})
-    kind = model_type(cfg)
+    return dense_spec_from_config(cfg, model_type(cfg), name, param_dtype)
+
+
+def dense_spec_from_config(cfg: dict, kind: str, name: str, param_dtype: str | None = None) -> ModelSpec:
+    """The spec of a config of one of the FAMILIES (read as `kind`)."""
     family = FAMILIES[kind]
     if cfg.get("use_bidirectional_attention"):
         raise ConfigError("bidirectional attention (use_bidirectional_attention) is not imported")

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from mxc.compiler.hf.config_in import FULL, SLIDING, spec_from_config
 from mxc.compiler.hf.mapping import LayoutError
-from mxc.spec.ir import LinearScaling, Llama3Scaling, ModelSpec, Rope, YarnScaling
+from mxc.spec.ir import LinearScaling, Llama3Scaling, LongRopeScaling, ModelSpec, Rope, YarnScaling
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
                  "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu", "relu": "relu"}
 
@@ -25,6 +26,8 @@ def family_of(spec: ModelSpec) -> str:
         return "gemma2" if first.post_norm is not None else "gemma"
     if first.attention.qk_norm is not None:
         return "qwen3"
+    if first.attention.qkv_bias and not first.attention.out_bias:
+        return "qwen2"  # biases on q, k and v only; Llama's attention_bias puts one on o too
     if all(b.attention.window is not None for b in blocks):
         return "mistral"
     return "llama"
@@ -44,6 +47,11 @@ def rope_parameters(rope: Rope | None) -> dict:
         params.update(rope_type="yarn", factor=s.factor, original_max_position_embeddings=s.original_max_seq,
                       beta_fast=s.beta_fast, beta_slow=s.beta_slow, mscale=s.mscale,
                       mscale_all_dim=s.mscale_all_dim, truncate=s.truncate)
+    elif isinstance(s, LongRopeScaling):
+        params.update(rope_type="longrope", short_factor=list(s.short_factor), long_factor=list(s.long_factor),
+                      original_max_position_embeddings=s.original_max_seq, factor=s.factor)
+        if s.attention_factor is not None:
+            params["attention_factor"] = s.attention_factor
     return params
 
 
@@ -53,7 +61,11 @@ def config_from_spec(spec: ModelSpec) -> dict:
     converter = converter_for_spec(spec)
     if converter is not None:
         return converter.config_from_spec(spec)
-    kind = family_of(spec)
+    return dense_config(spec, family_of(spec))
+
+
+def dense_config(spec: ModelSpec, kind: str) -> dict:
+    """The config.json of `spec` as a model of `kind` (one of config_in's FAMILIES)."""
     layers = [spec.blocks[name] for name in spec.layer_kinds]
     types = [SLIDING if b.attention.window is not None else FULL for b in layers]
     first = layers[0]
@@ -71,15 +83,15 @@ def config_from_spec(spec: ModelSpec) -> dict:
     cfg["hidden_activation" if kind in ("gemma2", "gemma3_text") else "hidden_act"] = activation
     if kind == "llama":
         cfg["mlp_bias"] = first.mlp.bias
-    if kind == "mistral":
-        del cfg["attention_bias"]
+    if kind in ("mistral", "qwen2", "phi3"):
+        del cfg["attention_bias"]  # fixed by the family: none (Mistral, Phi-3), on q, k, v (Qwen2)
     windows = {b.attention.window for b in layers} - {None}
     if len(windows) > 1:
         raise LayoutError(f"HF configs hold one sliding_window; this spec has {sorted(windows)}")
     cfg["sliding_window"] = windows.pop() if windows else None
-    if kind in ("qwen3", "gemma2", "gemma3_text"):
+    if kind in ("qwen2", "qwen3", "gemma2", "gemma3_text"):
         cfg["layer_types"] = types
-    if kind == "qwen3" and cfg["sliding_window"] is not None:
+    if kind in ("qwen2", "qwen3") and cfg["sliding_window"] is not None:
         cfg["use_sliding_window"] = True
         cfg["max_window_layers"] = types.index(SLIDING)
     if kind in ("gemma2", "gemma3_text"):

@@ -60,8 +60,9 @@ def _param_dtype(tensors: dict[str, np.ndarray]) -> str:
     return kinds.pop() if len(kinds) == 1 and kinds <= {"float32", "bfloat16", "float16"} else "float32"
 
 
-def params_from_tensors(spec: ModelSpec, tensors: dict[str, np.ndarray]) -> dict:
-    """mxc parameters (numpy, in spec.param_dtype) from HF tensors; every tensor must be used."""
+def params_from_tensors(spec: ModelSpec, tensors: dict[str, np.ndarray], model_type: str | None = None) -> dict:
+    """mxc parameters (numpy, in spec.param_dtype) from HF tensors; every tensor must be used.
+    model_type: the checkpoint's config.json model_type, which picks its tensor layout."""
     import jax
 
     dtype = np.dtype(spec.param_dtype) if spec.param_dtype != "bfloat16" else _bfloat16()
@@ -70,7 +71,7 @@ def params_from_tensors(spec: ModelSpec, tensors: dict[str, np.ndarray]) -> dict
     tensors = {names.get(n, n): t for n, t in tensors.items()}
     expected = set()
     embedding = None
-    for entry in tensor_maps(spec):
+    for entry in tensor_maps(spec, model_type):
         if getattr(entry, "path", None) == ("embed", "embedding"):
             embedding = entry.hf_name
         expected.add(entry.hf_name)
@@ -94,15 +95,17 @@ def params_from_tensors(spec: ModelSpec, tensors: dict[str, np.ndarray]) -> dict
     return params
 
 
-def tensors_from_params(spec: ModelSpec, params, dtypes: dict[str, str] | None = None) -> dict[str, np.ndarray]:
-    """HF tensors from mxc parameters, each in dtypes[name] (default: the parameter's dtype)."""
+def tensors_from_params(spec: ModelSpec, params, dtypes: dict[str, str] | None = None,
+                        model_type: str | None = None) -> dict[str, np.ndarray]:
+    """HF tensors from mxc parameters, each in dtypes[name] (default: the parameter's dtype), in
+    the layout of model_type (a recorded config's) or else of the family the spec shows."""
     dtypes = dtypes or {}
     names = renamed(dtypes, spec)  # a recorded checkpoint's own spelling is written back
     original = {canonical: name for name, canonical in names.items()}
     dtypes = {names.get(n, n): d for n, d in dtypes.items()}
     out = {}
     embedding = None
-    for entry in tensor_maps(spec):
+    for entry in tensor_maps(spec, model_type):
         out[entry.hf_name] = _cast(entry.read(params), dtypes.get(entry.hf_name))
         if getattr(entry, "path", None) == ("embed", "embedding"):
             embedding = entry.hf_name
@@ -185,7 +188,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, name: str | None = None, 
                                   f"({cfg.get('model_type')}).")
     if load_text(text, str(out_dir / SPEC_FILE))[spec.name] != spec:
         raise AssertionError("the written .mspec does not load back to the imported spec")
-    params = params_from_tensors(spec, tensors)
+    params = params_from_tensors(spec, tensors, cfg.get("model_type"))
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / SPEC_FILE).write_text(text)
@@ -225,9 +228,9 @@ def export_hf(spec: ModelSpec, params, hf_dir: str | Path, model_dir: str | Path
     hf_dir = Path(hf_dir)
     recorded = _recorded(Path(model_dir), spec) if model_dir is not None else None
     if recorded is not None:
-        _, layout = recorded
+        cfg, layout = recorded
         dtypes = {name: dtype for shard in layout.files for name, dtype in shard.tensors.items()}
-        tensors = tensors_from_params(spec, params, dtypes)
+        tensors = tensors_from_params(spec, params, dtypes, cfg.get("model_type"))
         unknown = set(dtypes) - set(tensors) - {n for n in dtypes if IGNORED_TENSORS.match(n)}
         if unknown:
             raise LayoutError(f"the recorded layout names tensors the spec lacks, e.g. {sorted(unknown)[0]}")

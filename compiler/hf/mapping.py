@@ -112,12 +112,13 @@ def _check_norm(norm, where: str) -> None:
         raise LayoutError(f"{where}: the HF families mxc converts use RMSNorm with a scale")
 
 
-def tensor_maps(spec: ModelSpec) -> Iterator[TensorMap | FusedTensorMap]:
-    """Every HF tensor of `spec`: in the Llama-family layout (Llama, Mistral, Qwen3, Gemma 1/2/3),
-    or in its own family's (see families)."""
-    from mxc.compiler.hf.families import converter_for_spec
+def tensor_maps(spec: ModelSpec, model_type: str | None = None) -> Iterator[TensorMap | FusedTensorMap]:
+    """Every HF tensor of `spec`: in the Llama-family layout (Llama, Mistral, Qwen2/3, Gemma 1/2/3),
+    or in its own family's (see families). A checkpoint's config.json model_type, where known,
+    names the family a spec alone may not show (a Phi-3 without LongRoPE reads as a Llama)."""
+    from mxc.compiler.hf.families import converter_for_model_type, converter_for_spec
 
-    converter = converter_for_spec(spec)
+    converter = converter_for_model_type(model_type) or converter_for_spec(spec)
     if converter is not None:
         yield from converter.tensor_maps(spec)
         return

@@ -1,7 +1,8 @@
 """Rotary position embeddings: frequencies for each scaling kind, and their application.
 
 Frequencies follow HF's `modeling_rope_utils` (computed here in float64 and rounded once);
-the halves layout (rotate_half) is the default, adjacent pairs with `interleaved`.
+the halves layout (rotate_half) is the default, adjacent pairs with `interleaved`. LongRoPE has
+two frequency sets and picks one per sequence by its length (longrope_frequencies).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mxc.spec.ir import LinearScaling, Llama3Scaling, Rope, YarnScaling
+from mxc.spec.ir import LinearScaling, Llama3Scaling, LongRopeScaling, Rope, YarnScaling
 
 
 def _plain(theta: float, dim: int) -> np.ndarray:
@@ -57,10 +58,32 @@ def _yarn(theta: float, dim: int, s: YarnScaling) -> tuple[np.ndarray, float]:
     return inv_freq, attention_factor
 
 
+def longrope_attention_factor(s: LongRopeScaling) -> float:
+    if s.attention_factor is not None:
+        return s.attention_factor
+    if s.factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(s.factor) / math.log(s.original_max_seq))
+
+
+def longrope_frequencies(rope: Rope, dim: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """LongRoPE (Phi-3): (short inverse frequencies, long ones, factor on cos and sin), each
+    rotary frequency divided by its own factor from the short or the long list."""
+    s = rope.scaling
+    base = _plain(rope.theta, dim)
+    short = base / np.asarray(s.short_factor, np.float64)
+    long = base / np.asarray(s.long_factor, np.float64)
+    return short.astype(np.float32), long.astype(np.float32), longrope_attention_factor(s)
+
+
 def frequencies(rope: Rope, dim: int) -> tuple[np.ndarray, float]:
-    """(inverse frequencies [dim // 2] as float32, factor on cos and sin)."""
+    """(inverse frequencies [dim // 2] as float32, factor on cos and sin). LongRoPE's depend on the
+    sequence's length: this gives its short set (rope_angles picks)."""
     scaling = rope.scaling
     attention_factor = 1.0
+    if isinstance(scaling, LongRopeScaling):
+        short, _, attention_factor = longrope_frequencies(rope, dim)
+        return short, attention_factor
     if scaling is None:
         inv_freq = _plain(rope.theta, dim)
     elif isinstance(scaling, LinearScaling):
@@ -84,8 +107,20 @@ def softmax_scale_correction(rope: Rope | None) -> float:
 
 def rope_angles(rope: Rope, dim: int, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """cos and sin of shape [*positions.shape, dim // 2], in float32."""
-    inv_freq, attention_factor = frequencies(rope, dim)
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    if isinstance(rope.scaling, LongRopeScaling):
+        # As transformers' Phi-3 does: the long factors once the sequence (its largest position
+        # in this call, plus one) exceeds original_max_seq, the short ones before; per row, so a
+        # row does not depend on the others. A decode step past that point rotates with the long
+        # set while the cache keeps what earlier steps wrote (transformers' generate recomputes
+        # the prefix once there instead; docs/hf-import.md).
+        short, long, attention_factor = longrope_frequencies(rope, dim)
+        length = jnp.max(positions, axis=-1, keepdims=True) + 1
+        inv_freq = jnp.where((length > rope.scaling.original_max_seq)[..., None], jnp.asarray(long),
+                             jnp.asarray(short))
+    else:
+        inv_freq, attention_factor = frequencies(rope, dim)
+        inv_freq = jnp.asarray(inv_freq)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
 
 
