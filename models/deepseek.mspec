@@ -110,3 +110,6 @@ model mla-tiny extends deepseek3-671b {
   }
   layers = dense, moe x 2
 }
+
+# DeepSeek R1: the V3 architecture (reasoning-trained weights).
+model deepseek-r1 extends deepseek3-671b {}

@@ -98,3 +98,22 @@ model llama3-tiny extends llama3.1-8b {
     mlp.hidden = 128
   }
 }
+
+# Llama 3 (April 2024): Llama 3.1's shapes with plain RoPE (no llama3 scaling) over 8K tokens.
+model llama3-8b extends llama3.1-8b {
+  max_seq = 8192
+  block x 32 {
+    attention.rope = rope(theta = 500000)
+  }
+}
+
+model llama3-70b extends llama3-8b {
+  d_model = 8192
+  block x 80 {
+    attention.heads = 64
+    mlp.hidden = 28672
+  }
+}
+
+# Llama 3.3 70B: Llama 3.1 70B's architecture (new weights).
+model llama3.3-70b extends llama3.1-70b {}

@@ -82,3 +82,15 @@ model qwen3-235b-a22b extends qwen3-30b-a3b {
     mlp.expert.hidden = 1536
   }
 }
+
+# Qwen3-Coder 480B-A35B: 62 layers routing to 8 of 160 experts, RoPE base 1e7 over 256K tokens.
+model qwen3-coder-480b-a35b extends qwen3-30b-a3b {
+  d_model = 6144
+  max_seq = 262144
+  block x 62 {
+    attention = gqa(heads = 96, kv_heads = 8, head_dim = 128, qk_norm = rmsnorm(eps = 1e-6),
+                    rope = rope(theta = 10000000))
+    mlp.experts = 160
+    mlp.expert.hidden = 2560
+  }
+}
