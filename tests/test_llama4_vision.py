@@ -88,6 +88,14 @@ def test_tower_and_projector_match_transformers(tiny):
     np.testing.assert_allclose(np.asarray(embedded), projected.numpy(), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("change", [{"class_token": False}, {"pre_norm": None}, {"rope": None}])
+def test_export_refuses_a_pixel_shuffle_tower_that_is_not_llama4s(change):
+    from mxc.compiler.hf.mapping import LayoutError
+
+    with pytest.raises(LayoutError, match="not Llama 4's"):
+        config_from_tower(_tiny_spec().vision.model_copy(update=change))
+
+
 def test_rope_2d_angles_match_transformers():
     from transformers.models.llama4.modeling_llama4 import Llama4VisionRotaryEmbedding
 
