@@ -19,7 +19,7 @@ from mxc.compiler.lower.projection import project
 from mxc.spec.ir import LearnedPositions, ModelSpec, PixelShuffleProjector, PooledProjector
 
 
-def _patch_embeddings(tower, params: dict, pixel_values: jax.Array, dtype) -> jax.Array:
+def patch_embeddings(tower, params: dict, pixel_values: jax.Array, dtype) -> jax.Array:
     """[images, channels, H, W] -> [images, patches, width], patches in row-major grid order."""
     images = jnp.transpose(pixel_values.astype(dtype), (0, 2, 3, 1))  # NHWC
     kernel = params["kernel"].astype(dtype)  # [size, size, channels, width]: HWIO
@@ -64,7 +64,7 @@ def encode_images(spec: ModelSpec, params: dict, pixel_values: jax.Array, dtype)
         from mxc.compiler.lower import vision_llama4
 
         return vision_llama4.encode_images(spec, params, pixel_values, dtype)
-    x = _patch_embeddings(tower, vp["patches"], pixel_values, dtype)
+    x = patch_embeddings(tower, vp["patches"], pixel_values, dtype)
     if isinstance(tower.positions, LearnedPositions):
         x = x + vp["positions"]["embedding"].astype(dtype)[None]
     x = _encoder(tower, vp["layers"], x)

@@ -1,14 +1,14 @@
 """Llama 4's vision encoder and multi-modal projector as pure functions of a parameter tree.
 
-An image [channels, image, image] is cut into non-overlapping patches (an unfold and one matrix,
-no bias), a learned class embedding joins the patches at the end, a learned position per token
-is added, and a LayerNorm precedes the encoder. Every encoder layer is pre-norm (LayerNorm with
-bias): bidirectional multi-head attention with biases whose queries and keys are rotated by a 2D
-RoPE (patch column on the first half of each head's pairs, patch row on the second, the class
-token not rotated), then a GELU MLP with biases. After a final LayerNorm the class token is
-dropped, a pixel shuffle trades spatial resolution for channels (ratio 0.5: four patches become
-one token of four times the width), and the adapter (two bias-free matrices, GELU after each)
-and the projector (one bias-free matrix) map each token to the text model's d_model.
+An image [channels, image, image] is cut into non-overlapping patches (the towers' shared patch
+embedding, here without bias), a learned class embedding joins the patches at the end, a learned
+position per token is added, and a LayerNorm precedes the encoder. Every encoder layer is pre-norm
+(LayerNorm with bias): bidirectional multi-head attention with biases whose queries and keys are
+rotated by a 2D RoPE (patch column on the first half of each head's pairs, patch row on the second,
+the class token not rotated), then a GELU MLP with biases. After a final LayerNorm the class token
+is dropped, a pixel shuffle trades spatial resolution for channels (ratio 0.5: four patches become
+one token of four times the width), and the adapter (two bias-free matrices, GELU after each) and
+the projector (one bias-free matrix) map each token to the text model's d_model.
 
 The numerical reference is transformers' Llama4VisionModel and Llama4MultiModalProjector.
 
@@ -42,6 +42,7 @@ from mxc.compiler.lower.ffn import ACTIVATIONS, ffn_layer
 from mxc.compiler.lower.norms import apply_norm
 from mxc.compiler.lower.projection import project
 from mxc.compiler.lower.rope import apply_rope
+from mxc.compiler.lower.vision import patch_embeddings
 from mxc.spec.ir import ModelSpec, VisionTower
 
 
@@ -58,15 +59,6 @@ def rope_2d_angles(tower: VisionTower) -> np.ndarray:
     angles = np.concatenate([column[:, None] * inv_freq, row[:, None] * inv_freq], axis=-1)
     unrotated = np.zeros((num_positions(tower) - tower.num_patches, 2 * quarter))
     return np.concatenate([angles, unrotated]).astype(np.float32)
-
-
-def unfold_patches(pixels: jax.Array, patch: int) -> jax.Array:
-    """[images, channels, H, W] -> [images, patches, patch · patch · channels], patches in row-major
-    order and each patch's values in (row, column, channel) order, the patch kernel's layout."""
-    images, channels, height, width = pixels.shape
-    rows, cols = height // patch, width // patch
-    x = pixels.reshape(images, channels, rows, patch, cols, patch)
-    return x.transpose(0, 2, 4, 3, 5, 1).reshape(images, rows * cols, patch * patch * channels)
 
 
 def pixel_shuffle(x: jax.Array, ratio: float) -> jax.Array:
@@ -95,10 +87,7 @@ def _encoder_layer(tower: VisionTower, params: dict, x: jax.Array, cos: jax.Arra
 def adapter_output(tower: VisionTower, vp: dict, pixels: jax.Array, dtype) -> jax.Array:
     """pixels [images, channels, image, image] -> [images, tokens_per_image, adapter], before the
     projector (HF's Llama4VisionModel last_hidden_state); vp is params["vision"]."""
-    pixels = pixels.astype(dtype)
-    kernel = vp["patches"]["kernel"]
-    x = project(unfold_patches(pixels, tower.patches.size), {"kernel": kernel.reshape(-1, tower.d_model)},
-                "...i,io->...o", dtype)
+    x = patch_embeddings(tower, vp["patches"], pixels, dtype)
     if tower.class_token:
         cls = jnp.broadcast_to(vp["class_embedding"].astype(dtype), (x.shape[0], 1, tower.d_model))
         x = jnp.concatenate([x, cls], axis=1)
