@@ -211,3 +211,26 @@ def test_longrope_lists_of_the_wrong_length_are_located_errors():
     column = broken.splitlines()[line - 1].index("long_factor") + 1
     assert f"longrope.mspec:{line}:{column}: error: longrope long_factor has 7 values; the rotary dimension " \
            "(16) needs 8, one per pair" in message
+
+
+def _reference_rows() -> list[dict]:
+    rows = json.loads((Path(__file__).resolve().parent / "data" / "param_counts.json").read_text())
+    return [r for r in rows if r["hf_class"] in ("Qwen2ForCausalLM", "Phi3ForCausalLM")]
+
+
+def test_zoo_configs_and_counts_agree_with_the_reference():
+    """Each Qwen2.5 / Phi-3 zoo model exports a config.json of its class stating the reference's
+    sizes, and the reference's config (on transformers' defaults) imports to its parameter count."""
+    from mxc.compiler.analysis import summarize
+    from mxc.compiler.hf.config_in import spec_from_config
+    from mxc.compiler.hf.config_out import config_from_spec
+    from mxc.spec.load import load_model
+
+    rows = _reference_rows()
+    assert {r["zoo"] for r in rows} == {"qwen2.5-7b", "qwen2.5-72b", "phi-3-mini-128k", "phi-3.5-mini"}
+    for row in rows:
+        config = config_from_spec(load_model(row["zoo"]))
+        assert config["architectures"] == [row["hf_class"]], row["zoo"]
+        assert {key: config.get(key) for key in row["config"]} == row["config"], row["zoo"]
+        reference = getattr(transformers, row["hf_class"].replace("ForCausalLM", "Config"))(**row["config"])
+        assert summarize(spec_from_config(reference.to_dict(), "m")).total_params == row["total_params"], row["zoo"]
