@@ -2,7 +2,9 @@
 (groups, prompts shorter than the compiled prefill, limits) on a toy model whose next token is a
 known function of the cache."""
 
+import dataclasses
 import os
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -174,3 +176,28 @@ def test_prompts_longer_than_the_prefill_follow_the_reference():
 def test_requests_beyond_the_compiled_sizes_are_refused(prompt, new, message):
     with pytest.raises(GenerationError, match=message):
         generate(_toy_servable(), None, prompt, new)
+
+
+def test_the_first_request_is_timed_after_the_functions_ran_once():
+    """A function's first run in a process (XLA:CPU's set-up, a jit's compile) happens in the
+    driver's warm-up, before the first request's clock starts, and only once per servable."""
+    toy = _toy_servable()
+    calls = {"prefill": 0, "decode": 0}
+
+    def prefill(params, tokens, lengths):
+        calls["prefill"] += 1
+        if calls["prefill"] == 1:
+            time.sleep(0.5)  # a cold first run
+        return toy.prefill(params, tokens, lengths)
+
+    def decode(params, tokens, cache):
+        calls["decode"] += 1
+        return toy.decode(params, tokens, cache)
+
+    servable = dataclasses.replace(toy, prefill=prefill, decode=decode)
+    tokens, report = generate(servable, None, np.array([[1, 2, 3]], np.int32), 3)
+    assert tokens[0, 3:].tolist() == _toy_reference([1, 2, 3], 3)
+    assert report.time_to_first_token_s < 0.25
+    assert calls == {"prefill": 2, "decode": 3}  # the warm-up's prefill and decode, then the request's
+    generate(servable, None, np.array([[4]], np.int32), 2)
+    assert calls == {"prefill": 3, "decode": 4}  # warmed once
