@@ -234,3 +234,20 @@ def test_zoo_configs_and_counts_agree_with_the_reference():
         assert {key: config.get(key) for key in row["config"]} == row["config"], row["zoo"]
         reference = getattr(transformers, row["hf_class"].replace("ForCausalLM", "Config"))(**row["config"])
         assert summarize(spec_from_config(reference.to_dict(), "m")).total_params == row["total_params"], row["zoo"]
+
+
+def test_hub_spellings_of_phi3_configs_give_the_same_spec():
+    """config.json as the hub's Phi-3 checkpoints have it (rope_scaling with type su or longrope,
+    original_max_position_embeddings beside it, rope_theta apart) reads as transformers 5's
+    rope_parameters spelling does."""
+    from mxc.compiler.hf.config_in import spec_from_config
+
+    hub = {**COMMON, "model_type": "phi3", "original_max_position_embeddings": ORIGINAL, "rope_theta": 10000.0,
+           "torch_dtype": "float32", "sliding_window": 48, "rms_norm_eps": 1e-5, "rope_scaling": _longrope()}
+    saved = transformers.Phi3Config(**{k: v for k, v in hub.items() if k != "model_type"}).to_dict()
+    expected = spec_from_config(saved, "m")
+    scaling = expected.blocks[expected.layer_kinds[0]].attention.rope.scaling
+    assert scaling.kind == "longrope" and scaling.original_max_seq == ORIGINAL and scaling.factor == 4.0
+    assert expected.blocks[expected.layer_kinds[0]].attention.window == 48
+    for kind in ("longrope", "su"):
+        assert spec_from_config({**hub, "rope_scaling": {**_longrope(), "type": kind}}, "m") == expected, kind
