@@ -6,6 +6,8 @@ Each side runs `--steps` steps in a fresh process; its rate is batch x seq over 
 seconds of the steps after the first `--skip` (which pay for warming up). mxc's step seconds
 come from the metrics lines `mxc run` writes. The sides alternate for `--rounds` rounds, so a
 busy moment of the shared machine hits both; the ratios are those of the medians over rounds.
+Both sides also report their process's CPU seconds per step (`ratio_per_cpu_second`): on a
+machine shared with other jobs the wall time measures the sharing as much as the program.
 MaxText: `python -m MaxText.train` with the same dimensions, sequence length, batch, synthetic
 data and no checkpoints; its per-step figures come from its metrics file. All use the CPU
 (`local`, JAX_PLATFORMS=cpu). `--model` picks a preset of runtime_common.MODELS.
@@ -45,10 +47,17 @@ def mxc_artifact(model: BenchModel, work: Path, seq: int, batch: int) -> tuple[P
     return artifact, byte_tokens(work), compile_seconds
 
 
-def rates(step_seconds: list[float], tokens_per_step: int, skip: int, wall: float) -> dict:
+def rates(step_seconds: list[float], tokens_per_step: int, skip: int, wall: float,
+          cpu_seconds: list[float] | None = None) -> dict:
+    """The median step's rate; with the process's CPU seconds per step, also tokens per CPU-second,
+    which other jobs on a shared machine move less than the wall time (each side uses every core)."""
     median = statistics.median(step_seconds[skip:])
-    return {"tokens_per_second": round(tokens_per_step / median, 1), "step_seconds": round(median, 4),
-            "run_wall_seconds": round(wall, 1)}
+    result = {"tokens_per_second": round(tokens_per_step / median, 1), "step_seconds": round(median, 4),
+              "run_wall_seconds": round(wall, 1)}
+    if cpu_seconds and all(c is not None for c in cpu_seconds[skip:]):
+        cpu = statistics.median(cpu_seconds[skip:])
+        result.update(cpu_seconds=round(cpu, 4), tokens_per_cpu_second=round(tokens_per_step / cpu, 1))
+    return result
 
 
 def mxc_throughput(artifact: Path, tokens: Path, work: Path, steps: int, skip: int, tokens_per_step: int) -> dict:
@@ -60,7 +69,9 @@ def mxc_throughput(artifact: Path, tokens: Path, work: Path, steps: int, skip: i
                         str(steps), "--ckpt-dir", ckpt, "--metrics", str(metrics), "--quiet"],
                        env=cpu_env(), check=True, capture_output=True, timeout=7200)
         wall = time.perf_counter() - started
-    return rates([r["step_seconds"] for r in read_metrics(metrics)], tokens_per_step, skip, wall)
+    records = read_metrics(metrics)
+    return rates([r["step_seconds"] for r in records], tokens_per_step, skip, wall,
+                 [r.get("cpu_seconds") for r in records])
 
 
 def torch_throughput(model: BenchModel, work: Path, seq: int, batch: int, steps: int, skip: int) -> dict:
@@ -71,7 +82,8 @@ def torch_throughput(model: BenchModel, work: Path, seq: int, batch: int, steps:
                            "--seq", str(seq), "--steps", str(steps)],
                           env=cpu_env(), check=True, capture_output=True, text=True, timeout=7200)
     wall = time.perf_counter() - started
-    return rates(json.loads(done.stdout)["step_seconds"], batch * seq, skip, wall)
+    measured = json.loads(done.stdout)
+    return rates(measured["step_seconds"], batch * seq, skip, wall, measured.get("cpu_seconds"))
 
 
 # MaxText's trainer module and the package holding configs/base.yml: 0.2.5's layout, then the
@@ -131,8 +143,8 @@ def maxtext_throughput(python: str, model: BenchModel, work: Path, seq: int, bat
             "run_wall_seconds": round(wall, 1), "command": " ".join(command)}
 
 
-def median_of(runs: list[dict]) -> float:
-    return statistics.median(r["tokens_per_second"] for r in runs)
+def median_of(runs: list[dict], key: str = "tokens_per_second") -> float:
+    return statistics.median(r[key] for r in runs)
 
 
 def main() -> None:
@@ -172,6 +184,9 @@ def main() -> None:
                       "remat": planned_remat(artifact), "runs": mxc_runs},
               "transformers": {"tokens_per_second": median_of(torch_runs), "runs": torch_runs}}
     result["ratio_mxc_over_transformers"] = round(median_of(mxc_runs) / median_of(torch_runs), 2)
+    if all("tokens_per_cpu_second" in r for r in mxc_runs + torch_runs):
+        result["ratio_per_cpu_second"] = round(median_of(mxc_runs, "tokens_per_cpu_second")
+                                               / median_of(torch_runs, "tokens_per_cpu_second"), 2)
     if not has_maxtext:
         result["maxtext"] = {"error": f"no MaxText installation at {args.maxtext_python}"}
     elif any("error" in r for r in maxtext_runs):

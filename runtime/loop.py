@@ -205,7 +205,7 @@ class TrainingRun:
             meta["schedule"] = self.schedule.to_json()
         self.checkpoints.save(step, params=self.state["params"], optimizer=_optimizer_item(self.state), meta=meta)
 
-    def _report(self, step: int, metrics: dict, seconds: float) -> dict:
+    def _report(self, step: int, metrics: dict, seconds: float, cpu_seconds: float | None = None) -> dict:
         values = {name: scalar(value) for name, value in metrics.items()}
         if not (math.isfinite(values["loss"]) and math.isfinite(values.get("grad_norm", 0.0))):
             kept = self.checkpoints.latest_step()
@@ -214,7 +214,9 @@ class TrainingRun:
             raise NonFiniteLossError(f"step {step}: loss {values['loss']}, gradient norm "
                                      f"{values.get('grad_norm')}; training stopped and {where}")
         layout = self.trainable.layout
-        record = {"step": step, "kind": "train", **values, "step_seconds": seconds,
+        # cpu_seconds: this process's CPU time over the step (all its threads), which a machine
+        # shared with other jobs changes less than the wall time.
+        record = {"step": step, "kind": "train", **values, "step_seconds": seconds, "cpu_seconds": cpu_seconds,
                   "tokens_per_second": layout.batch * layout.seq / seconds if seconds > 0 else None,
                   "mfu": model_flops_utilisation(self.trainable.flops_per_step, seconds, self.trainable.peak_flops),
                   "epoch": round(self.data.epoch, 6), "time": time.time()}
@@ -277,18 +279,18 @@ class TrainingRun:
             self._say(f"resumed from step {step} ({self.checkpoints.directory})")
         self._announce_schedule()
         pending: deque = deque()
-        last_time = time.perf_counter()
+        last_time, last_cpu = time.perf_counter(), time.process_time()
         last_record = None
         stopped = False
 
         def drain(keep: int) -> None:
-            nonlocal last_time, last_record
+            nonlocal last_time, last_cpu, last_record
             while len(pending) > keep:
                 done_step, metrics = pending.popleft()
                 jax.block_until_ready(metrics)
-                now = time.perf_counter()
-                last_record = self._report(done_step, metrics, now - last_time)
-                last_time = now
+                now, cpu = time.perf_counter(), time.process_time()
+                last_record = self._report(done_step, metrics, now - last_time, cpu - last_cpu)
+                last_time, last_cpu = now, cpu
 
         while step < config.steps:
             self.checkpoints.check_saves()  # a background save that failed stops the run here
@@ -300,7 +302,7 @@ class TrainingRun:
             pending.append((step, metrics))
             drain(config.in_flight - 1)
             if self.profiler.after_dispatch(step, lambda: drain(0)):
-                last_time = time.perf_counter()  # writing the trace is not training time
+                last_time, last_cpu = time.perf_counter(), time.process_time()  # writing the trace is not training time
             stopped = stop.should_stop(step)
             due_save = stopped or step == config.steps or bool(config.save_every and step % config.save_every == 0)
             due_eval = self.eval_data is not None and (
@@ -309,7 +311,7 @@ class TrainingRun:
                 drain(0)  # every step up to here seen finite before its state is kept
             if due_eval:
                 self.evaluate(step)
-                last_time = time.perf_counter()  # evaluation is not training time
+                last_time, last_cpu = time.perf_counter(), time.process_time()  # evaluation is not training time
             if due_save:
                 self.save(step)
             if stopped:

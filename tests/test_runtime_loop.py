@@ -92,6 +92,7 @@ def test_loss_falls_and_metrics_lines_are_complete(tmp_path, tokens):
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
     for record in records:
         assert record["tokens_per_second"] == pytest.approx(BATCH * SEQ / record["step_seconds"])
+        assert record["cpu_seconds"] > 0  # the process's CPU time over the step
         assert record["mfu"] == pytest.approx(1e6 / record["step_seconds"] / 1e9)
     assert Checkpoints(tmp_path / "ckpt").all_steps() == [30]  # saved at the end
 
@@ -106,9 +107,9 @@ def test_steps_in_flight_stay_bounded(tmp_path, tokens):
         return trainable.train_step(state, batch)
 
     class CountingRun(TrainingRun):
-        def _report(self, step, metrics, seconds):
+        def _report(self, step, metrics, *seconds):
             reported[0] += 1
-            return super()._report(step, metrics, seconds)
+            return super()._report(step, metrics, *seconds)
 
     counting = Trainable(**{**trainable.__dict__, "train_step": counting_step})
     run = CountingRun(counting, tokens, Checkpoints(tmp_path / "ckpt"), LoopConfig(steps=25, in_flight=3, progress=False))
