@@ -27,7 +27,8 @@ def test_the_planner_records_the_choices_of_the_target(topology, stacked):
 def test_a_plan_saved_without_choices_gets_those_of_its_chip():
     chosen = plan(load_model("llama3-tiny"), parse("v5p-8"), seq=64, batch=16, verify=False)
     old = Plan.model_validate({**chosen.to_json(), "lowering": None})
-    assert old.lowering_choices() == LoweringChoices(stacked_projections=True, interpret_kernels=False)
+    assert old.lowering_choices() == LoweringChoices(stacked_projections=True, interpret_kernels=False,
+                                                     grouped_matmul="megablox", ragged_all_to_all=True)
 
 
 def _train_step_hlo(spec, chosen, topology) -> str:

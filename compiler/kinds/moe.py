@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 from mxc.compiler.kinds import kind_of, register
 from mxc.compiler.kinds.base import FeedForwardKind, FFNCount, Intermediate, Routing
 from mxc.compiler.lower.param_def import ParamDef, UnsupportedError, map_defs, matrix, zeros
@@ -65,6 +67,57 @@ def moe_defs(moe: MoE, d_model: int) -> dict:
     return defs
 
 
+def _routed_hidden(ffn: MoE, shape, axes, choice) -> list[Intermediate]:
+    """The routed experts' feed-forward on `shape` rows: their input projections are named
+    expert_mlpwi (jax's dots policy does not save them: mxc.compiler.plan.activations.DOTS)."""
+    return [Intermediate("expert_mlpwi" if item.name == "mlpwi" else item.name, item.shape, item.axes,
+                         item.bytes_per_element)
+            for item in kind_of(ffn.expert).hidden_intermediates(ffn.expert, shape, axes, choice)]
+
+
+def _capacity_intermediates(ffn: MoE, choice) -> list[Intermediate]:
+    """The capacity path gives each expert `slots` rows per sequence, filled with the tokens routed
+    to it through one-hot dispatch and combine tensors [batch, seq, experts, slots]."""
+    from mxc.compiler.lower.moe import capacity
+
+    b, s, d = choice.microbatch, choice.seq, choice.spec.d_model
+    act = choice.compute_bytes
+    slots = capacity(s, ffn.top_k, ffn.experts, choice.capacity_factor or 1.0)
+    out = [Intermediate(name, (b, s, ffn.experts, slots), ("batch", "seq", "experts", None), act)
+           for name in ("dispatch", "combine")]
+    out.append(Intermediate("expert_inputs", (b, ffn.experts, slots, d), ("batch", "experts", None, "embed"), act))
+    return out + _routed_hidden(ffn, (b, ffn.experts * slots, ffn.expert.hidden), ("batch", None, "mlp"), choice)
+
+
+def dispatch_rows(ffn: MoE, choice) -> tuple[int, int]:
+    """(assignments one device routes, rows its experts' buffers hold) on the dropless path. With
+    the experts split over `shards` devices (expert_dispatch.py) every device receives a buffer
+    with room for all the assignments of each sender; without, each device sorts its own."""
+    batch_axes = set(choice.rules.get("batch", ()))
+    # Expert axes that do not split the batch split each batch shard's tokens instead (moe.py).
+    extra = math.prod(choice.mesh.get(a, 1) for a in choice.rules.get("experts", ()) if a not in batch_axes)
+    tokens = -(-choice.microbatch // choice.split("batch")) * choice.seq // extra
+    assignments = tokens * ffn.top_k
+    return assignments, assignments * choice.split("experts")
+
+
+def _dispatch_intermediates(ffn: MoE, choice) -> list[Intermediate]:
+    """One device's buffers on the dropless path: its sorted assignments, what it sends and
+    receives, the received rows grouped by expert through the experts' feed-forward, and back.
+    Shapes are already one device's (axes None), the hidden units split like the weights."""
+    d, act = choice.spec.d_model, choice.compute_bytes
+    assignments, rows = dispatch_rows(ffn, choice)
+    hidden = -(-ffn.expert.hidden // choice.split("mlp"))
+    local = lambda name, n: Intermediate(name, (n, d), (None, None), act)  # noqa: E731
+    out = [local("sorted_assignments", assignments)]
+    if rows > assignments:  # sent, received and returned buffers of the all-to-alls
+        out += [local("sent_rows", rows), local("received_rows", rows), local("returned_rows", rows)]
+    out += [local("grouped_rows", rows)]
+    out += [item for item in _routed_hidden(ffn, (rows, hidden), (None, None), choice) if item.name != "mlpwo"]
+    out += [local("expert_outputs", rows), local("combined_assignments", assignments)]
+    return out
+
+
 class MixtureOfExperts(FeedForwardKind):
     ir_classes = (MoE,)
 
@@ -92,22 +145,18 @@ class MixtureOfExperts(FeedForwardKind):
         return (ffn.top_k + ffn.shared_experts) * kind_of(ffn.expert).input_weights_per_token(ffn.expert, d_model)
 
     def intermediates(self, ffn, choice):
-        # The capacity path gives each expert `slots` rows per sequence, filled with the tokens
-        # routed to it through one-hot dispatch and combine tensors [batch, seq, experts, slots].
-        from mxc.compiler.lower.moe import capacity
-
-        b, s, d = choice.microbatch, choice.seq, choice.spec.d_model
-        act = choice.compute_bytes
-        tokens = ("batch", "seq")
-        slots = capacity(s, ffn.top_k, ffn.experts, choice.capacity_factor or 1.0)
-        rows = ffn.experts * slots
-        out = [Intermediate("router_probabilities", (b, s, ffn.experts), (*tokens, None), 4)]
-        out += [Intermediate(name, (b, s, ffn.experts, slots), (*tokens, "experts", None), act)
-                for name in ("dispatch", "combine")]
-        out.append(Intermediate("expert_inputs", (b, ffn.experts, slots, d), ("batch", "experts", None, "embed"), act))
-        # Shared experts see every token once more.
-        hidden = (b, rows + s * ffn.shared_experts, ffn.expert.hidden)
-        return out + kind_of(ffn.expert).hidden_intermediates(ffn.expert, hidden, ("batch", None, "mlp"), choice)
+        b, s = choice.microbatch, choice.seq
+        out = [Intermediate("router_probabilities", (b, s, ffn.experts), ("batch", "seq", None), 4)]
+        if choice.expert_path == "dropless":
+            out += _dispatch_intermediates(ffn, choice)
+        else:
+            out += _capacity_intermediates(ffn, choice)
+        if ffn.shared_experts:
+            # Shared experts see every token, as a dense feed-forward does.
+            hidden = (b, s * ffn.shared_experts, ffn.expert.hidden)
+            out += [item for item in kind_of(ffn.expert).hidden_intermediates(ffn.expert, hidden, ("batch", None, "mlp"),
+                                                                               choice) if item.name != "mlpwo"]
+        return out
 
     def apply(self, ffn, params, x, moe):
         from mxc.compiler.lower.moe import moe_layer

@@ -31,16 +31,21 @@ class LoweringChoices:
     # A large stored weight of another dtype (int8, bf16: the tied head) converted and multiplied in
     # cache-sized blocks (compiler/quant/matmul.py): XLA:CPU writes the whole converted copy first.
     blocked_weight_conversion: bool = False
+    # The dropless experts' dispatch (expert_dispatch.py): its grouped matmul, "megablox" (the
+    # Pallas kernel; XLA's TPU backend runs ragged_dot as a masked matmul over every expert) or
+    # "ragged_dot", and whether its exchange is jax.lax.ragged_all_to_all (XLA:CPU has none).
+    grouped_matmul: str = "ragged_dot"
+    ragged_all_to_all: bool = False
 
     @classmethod
     def for_platform(cls, platform: str) -> "LoweringChoices":
         # TPUs: one larger matmul suits the MXUs and compiles faster; on CPUs the stacked copy of
         # the weights costs more than the shared matmul saves (docs/compile.md). Pallas's Mosaic
         # kernels compile only for TPUs; elsewhere they run in its interpreter.
-        cpu = platform == "cpu"
-        return cls(stacked_projections=platform == "tpu", interpret_kernels=platform != "tpu",
-                   canonical_weight_gradients=cpu, fused_cross_entropy=cpu,
-                   blocked_weight_conversion=cpu)
+        cpu, tpu = platform == "cpu", platform == "tpu"
+        return cls(stacked_projections=tpu, interpret_kernels=not tpu,
+                   canonical_weight_gradients=cpu, fused_cross_entropy=cpu, blocked_weight_conversion=cpu,
+                   grouped_matmul="megablox" if tpu else "ragged_dot", ragged_all_to_all=tpu)
 
     def with_recorded(self, recorded: dict) -> "LoweringChoices":
         """These choices with those a plan file records (the rest stay the platform's)."""

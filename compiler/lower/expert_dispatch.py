@@ -5,15 +5,20 @@
 Runs inside a shard_map that is manual over the expert mesh axes. Every device routes its own
 tokens, sorts its own assignments by expert (which groups them by destination device, since a
 device holds a contiguous block of experts), and sends each destination its rows with one
-all-to-all over the expert axes. The receiver sorts what arrived by its local expert id (again a
-local sort: nothing sorts the global batch), runs the experts' feed-forward as grouped matmuls
-(jax.lax.ragged_dot), and a second all-to-all brings the outputs back to the tokens' devices, where the routing weights
-combine them.
+ragged all-to-all over the expert axes. The receiver groups what arrived by its local expert (a
+local sort: nothing sorts the global batch), runs the experts' feed-forward as grouped matmuls,
+and a second ragged all-to-all brings the outputs back to the rows they came from, in the
+sender's sorted order, where the routing weights combine them.
 
-The all-to-all is dense: each destination gets a buffer with room for every assignment of the
-sender (a device may route all of its tokens to one device), the unused rows zero and marked by
-an out-of-range expert id. That makes it dropless with static shapes on every platform, at the
-cost of `shards` times the assignment rows in the buffers.
+Each receiver keeps a buffer with room for every assignment of every sender (a device may
+receive all of them): dropless with static shapes. Sender s's rows land at s * assignments.
+
+The plan's lowering choices (choices.py) pick the platform's pieces: on TPU the collective is
+jax.lax.ragged_all_to_all and the grouped matmul megablox's kernel (megablox.py; XLA's TPU
+backend runs ragged_dot as a masked matmul over every local expert). Elsewhere (XLA:CPU has no
+ragged all-to-all) the same exchange runs as a dense all-to-all with a slot per destination as
+large as the sender's assignments, then scattered to the same offsets, and the grouped matmul is
+jax.lax.ragged_dot.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from mxc.compiler.lower import megablox
+from mxc.compiler.lower.choices import lowering_choices
 from mxc.compiler.lower.expert_rows import sort_assignments
 from mxc.compiler.lower.ffn import hidden_activation
 from mxc.compiler.lower.projection import weight
@@ -35,11 +42,39 @@ class DispatchPlan:
     expert_axes: tuple[str, ...]  # the mesh axes the experts are split over (row-major order)
     shards: int  # devices along them
     hidden_axes: tuple[str, ...]  # mesh axes splitting the experts' hidden units (summed after `down`)
+    shard_index: jax.Array | None = None  # this device's position along expert_axes
 
 
-def _exchange(buffer: jax.Array, plan: DispatchPlan) -> jax.Array:
+def _all_to_all(values: jax.Array, plan: DispatchPlan) -> jax.Array:
     """[shards, ...] -> [shards, ...]: slot j goes to device j; slot s of the result came from s."""
-    return jax.lax.all_to_all(buffer, plan.expert_axes, 0, 0, tiled=True)
+    return jax.lax.all_to_all(values, plan.expert_axes, 0, 0, tiled=True)
+
+
+def _exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, plan: DispatchPlan):
+    """jax.lax.ragged_all_to_all's contract (one slice per destination): operand rows
+    input_offsets[j] ... + send_sizes[j] are written on device j at output_offsets[j] of its
+    `output`; recv_sizes[s] rows arrive from s."""
+    if lowering_choices().ragged_all_to_all:
+        return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                         axis_name=plan.expert_axes)
+    rows = operand.shape[0]
+    slot = jnp.arange(rows)
+    used = slot[None, :] < send_sizes[:, None]  # [shards, rows]
+    take = jnp.where(used, input_offsets[:, None] + slot[None, :], 0)
+    received = _all_to_all(jnp.where(used[..., None], operand[take], 0), plan)
+    offsets = _all_to_all(output_offsets, plan)  # where each sender's rows go here
+    arrived = slot[None, :] < recv_sizes[:, None]
+    # Rows past what a sender sent go out of range and are dropped by the scatter.
+    target = jnp.where(arrived, offsets[:, None] + slot[None, :], output.shape[0])
+    return output.at[target.reshape(-1)].set(received.reshape(-1, *operand.shape[1:]), mode="drop")
+
+
+def _grouped_matmul(rows: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    choices = lowering_choices()
+    if choices.grouped_matmul == "megablox":
+        return megablox.grouped_matmul(rows, kernel, group_sizes, jnp.zeros((), jnp.int32),
+                                       choices.interpret_kernels)
+    return jax.lax.ragged_dot(rows, kernel, group_sizes)
 
 
 def _local_ffn(moe: MoE, params: dict, rows: jax.Array, ids: jax.Array, plan: DispatchPlan) -> jax.Array:
@@ -56,7 +91,7 @@ def _local_ffn(moe: MoE, params: dict, rows: jax.Array, ids: jax.Array, plan: Di
 
     def matmul(name, inputs):
         kernel = weight(params[name], dtype, mlp=True, contracting=(1,))
-        return jnp.where(valid[:, None], jax.lax.ragged_dot(inputs, kernel, group_sizes), 0)
+        return jnp.where(valid[:, None], _grouped_matmul(inputs, kernel, group_sizes), 0)
 
     def project(name, inputs):
         y = matmul(name, inputs)
@@ -81,26 +116,29 @@ def dispatch_experts(moe: MoE, params: dict, x: jax.Array, experts: jax.Array, w
     local_experts = params["up"]["kernel"].shape[0]
     sorted_rows = sort_assignments(moe, x, experts, weights)
     assignments = sorted_rows.rows.shape[0]
-    destination = sorted_rows.experts // local_experts
-    send_counts = sorted_rows.group_sizes.reshape(plan.shards, local_experts).sum(axis=1)
-    starts = jnp.cumsum(send_counts) - send_counts
+    # Rows per destination and local expert: sent, then as received from each sender.
+    counts = sorted_rows.group_sizes.reshape(plan.shards, local_experts)
+    send_sizes = counts.sum(axis=1)
+    starts = jnp.cumsum(send_sizes) - send_sizes
+    arrived_counts = _all_to_all(counts, plan)  # [senders, local experts]
+    recv_sizes = arrived_counts.sum(axis=1)
+    here = jnp.full((plan.shards,), plan.shard_index * assignments, jnp.int32)
+    received = _exchange(sorted_rows.rows, jnp.zeros((plan.shards * assignments, x.shape[-1]), x.dtype),
+                         starts, send_sizes, here, recv_sizes, plan)
+
+    # Each sender's rows arrive sorted by expert: slot i of sender s's block holds the local
+    # expert whose running count passes i (local_experts where nothing arrived).
     slot = jnp.arange(assignments)
-    used = slot[None, :] < send_counts[:, None]  # [shards, assignments]
-    take = jnp.where(used, starts[:, None] + slot[None, :], 0)
-    send_rows = jnp.where(used[..., None], sorted_rows.rows[take], 0)
-    send_ids = jnp.where(used, (sorted_rows.experts % local_experts)[take], local_experts)
+    ends = jnp.cumsum(arrived_counts, axis=1)  # [senders, local experts]
+    ids = jnp.sum(slot[None, :, None] >= ends[:, None, :], axis=-1).astype(jnp.int32)  # [senders, slots]
+    out = _local_ffn(moe, params, received, ids.reshape(-1), plan)
 
-    received_rows = _exchange(send_rows, plan)
-    received_ids = _exchange(send_ids, plan)
-    out = _local_ffn(moe, params, received_rows.reshape(-1, x.shape[-1]), received_ids.reshape(-1), plan)
-    returned = _exchange(out.reshape(plan.shards, assignments, -1), plan)
-
-    # Sorted row i went to device destination[i], slot i - starts[destination[i]].
-    out_sorted = returned[destination, slot - starts[destination]]
+    # Back: block s goes to sender s, at the offset its rows for this device started from.
+    origin = _all_to_all(starts, plan)
+    blocks = jnp.arange(plan.shards, dtype=jnp.int32) * assignments
+    out_sorted = _exchange(out, jnp.zeros((assignments, out.shape[-1]), out.dtype), blocks, recv_sizes, origin,
+                           send_sizes, plan)
     if moe.router.weight_on != "input":
         out_sorted = out_sorted * sorted_rows.weights
     unsorted = out_sorted[jnp.argsort(sorted_rows.order)]
     return unsorted.reshape(experts.shape[0], -1, out_sorted.shape[-1]).sum(axis=1)
-
-# Not done: megablox's kernel as the grouped matmul here (moe.py keeps megablox on its own
-# layout), and jax.lax.ragged_all_to_all in place of the dense buffers where the platform has it.

@@ -1,5 +1,6 @@
-"""Dropless expert feed-forward over sorted assignments: the part the ragged_dot path (moe.py)
-and the megablox kernel path (megablox.py) share. Each path supplies only its grouped matmul."""
+"""Dropless experts over sorted assignments: the sort the one-device path (moe.py) and the
+expert-parallel dispatch (expert_dispatch.py) share, and the one-device path's feed-forward
+over the sorted rows, given its grouped matmul."""
 
 from __future__ import annotations
 

@@ -12,9 +12,12 @@ router's projection (GPT-OSS); Llama 4's weighting of the expert's input instead
 The routed experts run along one of three paths, which compute the same function wherever no
 token is dropped (MoEConfig.path, a choice of the plan):
 
-  dropless  assignments sorted by expert, then grouped matmuls (jax.lax.ragged_dot) over the
-            sorted rows: every assignment computed, FLOPs proportional to top_k. The default.
-            Under sharding rules each batch shard sorts its own tokens (see moe_layer).
+  dropless  assignments sorted by expert, then grouped matmuls over the sorted rows: every
+            assignment computed, FLOPs proportional to top_k. The default, and the plans'
+            wherever their rules split the experts. There each device sends its tokens to the
+            devices that hold their experts (expert_dispatch.py: ragged all-to-alls, megablox's
+            kernel on TPU); elsewhere each batch shard sorts its own tokens for
+            jax.lax.ragged_dot (see moe_layer).
   capacity  GShard/Switch dense dispatch: within each sequence every expert takes at most
             `capacity` assignments (first choices before second choices, earlier tokens first),
             gathered and scattered with one-hot einsums. Static shapes, partitioned by XLA like
@@ -22,15 +25,9 @@ token is dropped (MoEConfig.path, a choice of the plan):
   dense     every expert on every token, masked by the routing: E/top_k times the FLOPs, the
             numerical reference the other two are tested against.
 
-The dropless path's grouped matmul is jax.lax.ragged_dot, which XLA partitions by itself, or
-(MoEConfig.grouped_matmul = "megablox", for TPU targets) the megablox Pallas kernel that ships
-with JAX: XLA's TPU backend runs ragged_dot as one masked matmul over every expert (megablox.py).
-
 Experts carry the logical axis `experts` on every weight, so expert parallelism is the sharding
-rule `experts -> expert`. Where it splits the experts, the dropless path with ragged_dot sends
-each device's tokens to the devices holding their experts with all-to-alls (expert_dispatch.py);
-routing statistics come back per layer for the load-balancing loss
-and for DeepSeek V3's bias update (`update_correction_biases`).
+rule `experts -> expert`. Routing statistics come back per layer for the load-balancing loss and
+for DeepSeek V3's bias update (`update_correction_biases`).
 """
 
 from __future__ import annotations
@@ -44,7 +41,6 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 from pydantic import BaseModel, ConfigDict, NonNegativeFloat, PositiveFloat
 
-from mxc.compiler.lower import megablox
 from mxc.compiler.lower.choices import lowering_choices, use_lowering
 from mxc.compiler.lower.expert_dispatch import DispatchPlan, dispatch_experts
 from mxc.compiler.lower.expert_rows import expert_ffn, sort_assignments
@@ -63,9 +59,6 @@ class MoEConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     path: Literal["dropless", "capacity", "dense"] = "dropless"
-    # The dropless path's grouped matmul: jax.lax.ragged_dot, or megablox's TPU kernel (megablox.py),
-    # which the plan picks for TPU targets: XLA's TPU backend runs ragged_dot over every expert.
-    grouped_matmul: Literal["ragged_dot", "megablox"] = "ragged_dot"
     # Capacity path: each expert takes ceil(factor · seq · top_k / experts) assignments per sequence.
     capacity_factor: PositiveFloat = 1.25
     # Weight of the load-balancing loss in the training loss (Switch and MaxText use 0.01;
@@ -73,12 +66,6 @@ class MoEConfig(BaseModel):
     aux_loss_weight: NonNegativeFloat = 0.01
     # DeepSeek V3's γ: correction biases move by this much per step against the load imbalance.
     bias_update_rate: NonNegativeFloat = 1e-3
-
-
-def moe_config_for(platform: str, **fields) -> MoEConfig:
-    """The MoE settings a plan starts from on `platform` ("tpu", "gpu", "cpu"): dropless, with
-    megablox's kernel on TPU, where XLA runs ragged_dot over every expert."""
-    return MoEConfig(**{"grouped_matmul": "megablox" if platform == "tpu" else "ragged_dot", **fields})
 
 
 class Routing(NamedTuple):
@@ -278,21 +265,17 @@ def moe_layer(moe: MoE, params: dict, x: jax.Array, config: MoEConfig = MoEConfi
     Under sharding rules that split the batch, routing and routed experts run per batch shard
     (a shard_map, manual over the batch's mesh axes): each shard sorts or dispatches only its own
     tokens, where one global sort or top-k would gather every token onto every data-parallel
-    replica. The dropless path with ragged_dot and split experts sends tokens to their experts'
-    devices instead (_routed_expert_parallel). Otherwise the expert weights stay under XLA's partitioner, which splits the expert matmuls
-    along a sharded `experts` axis and sums the partial results: expert parallelism is the
-    sharding rule `experts -> expert`, not different code."""
+    replica. The dropless path with split experts sends tokens to their experts' devices
+    instead (_routed_expert_parallel). Otherwise the expert weights stay under XLA's
+    partitioner, which splits the capacity path's expert matmuls along a sharded `experts` axis
+    and sums the partial results."""
     if config.path not in PATHS:
         raise ValueError(f"unknown expert path {config.path!r}; choose one of {', '.join(EXPERT_PATHS)}")
     routed_params = {"router": params["router"], "experts": params["experts"]}
     split = _batch_split(x.shape[0])
-    # megablox keeps its own layout (below): the dispatch's buffers would double its rows.
-    dropless_ragged = config.path == "dropless" and config.grouped_matmul == "ragged_dot"
-    expert_parallel = _expert_parallel_layout(moe, x) if dropless_ragged else None
+    expert_parallel = _expert_parallel_layout(moe, x) if config.path == "dropless" else None
     if expert_parallel is not None:
         y, stats = _routed_expert_parallel(moe, routed_params, x, config, expert_parallel)
-    elif config.path == "dropless" and config.grouped_matmul == "megablox":
-        y, stats = _routed_megablox(moe, routed_params, x, config)
     elif split is None:
         y, stats = _routed(moe, routed_params, x, config, total=lambda v: v)
     else:
@@ -314,14 +297,6 @@ def moe_layer(moe: MoE, params: dict, x: jax.Array, config: MoEConfig = MoEConfi
     if moe.shared_experts:
         y = y + ffn_layer(shared_expert_ffn(moe), params["shared"], x)
     return checkpoint_name(constrain(y, RESIDUAL_AXES), "mlpwo"), stats
-
-
-def _megablox_path(first_expert, first_of_hidden, interpret: bool):
-    def path(moe, params, tokens, routing, config, batch):
-        y = megablox.dropless_rows(moe, params, tokens, routing.experts, routing.weights, first_expert,
-                                   first_of_hidden, interpret)
-        return y, jnp.zeros((), jnp.float32)
-    return path
 
 
 def _shard_index(names: tuple[str, ...], mesh) -> jax.Array:
@@ -389,13 +364,17 @@ def _routed_expert_parallel(moe: MoE, params: dict, x: jax.Array, config: MoECon
     over every mesh axis. Expert axes that do not split the batch split each shard's tokens
     instead, so that every device routes distinct tokens; the outputs are gathered back."""
     mesh = layout.mesh
-    plan = DispatchPlan(layout.expert_names, math.prod(mesh.shape[n] for n in layout.expert_names),
-                        layout.hidden_names)
+    shards = math.prod(mesh.shape[n] for n in layout.expert_names)
     summed = layout.batch_names + layout.split_names
     total = (lambda v: jax.lax.psum(v, summed)) if summed else (lambda v: v)
+    # Inside, the active mesh is abstract: the body keeps the lowering choices of the mesh outside.
+    choices = lowering_choices()
 
     def path(moe, params, tokens, routing, config, batch):
-        y = dispatch_experts(moe, params, tokens, routing.experts, routing.weights, plan)
+        plan = DispatchPlan(layout.expert_names, shards, layout.hidden_names,
+                            _shard_index(layout.expert_names, mesh))
+        with use_lowering(choices):
+            y = dispatch_experts(moe, params, tokens, routing.experts, routing.weights, plan)
         return y, jnp.zeros((), jnp.float32)
 
     def per_device(p, x):
@@ -416,43 +395,6 @@ def _routed_expert_parallel(moe: MoE, params: dict, x: jax.Array, config: MoECon
     # gradient of such a region inside the scanned layers).
     return jax.shard_map(per_device, mesh=mesh, in_specs=(param_specs, layout.batch_spec),
                          out_specs=(layout.batch_spec, PartitionSpec()), axis_names=frozenset(mesh.axis_names),
-                         check_vma=False)(params, x)
-
-
-def _routed_megablox(moe: MoE, params: dict, x: jax.Array, config: MoEConfig) -> tuple[jax.Array, MoEStats]:
-    """The dropless path with megablox's kernel, fully manual under sharding rules (see megablox.py)."""
-    active = active_rules()
-    interpret = lowering_choices().interpret_kernels
-    identity = lambda v: v  # noqa: E731
-    if active is None:
-        path = _megablox_path(jnp.zeros((), jnp.int32), jnp.bool_(True), interpret)
-        return _routed(moe, params, x, config, total=identity, path=path)
-    mesh, rules = active
-
-    batch_spec, expert_specs, expert_names, hidden_names, batch_names = _manual_layout(moe, x, rules, mesh)
-    gathered = tuple(n for n in batch_names if n in expert_names + hidden_names)
-    summed = tuple(n for n in expert_names + hidden_names if n not in gathered)
-    local_experts = moe.experts // math.prod(mesh.shape[n] for n in expert_names)
-
-    def per_device(p, x):
-        if gathered:
-            x = jax.lax.all_gather(x, gathered, axis=0, tiled=True)
-        first_expert = _shard_index(expert_names, mesh) * local_experts
-        first_of_hidden = _shard_index(hidden_names, mesh) == 0
-        others = tuple(n for n in batch_names if n not in gathered)
-        total = (lambda v: jax.lax.psum(v, others)) if others else identity
-        y, stats = _routed(moe, p, x, config, total=total,
-                           path=_megablox_path(first_expert, first_of_hidden, interpret))
-        if summed:
-            y = jax.lax.psum(y, summed)
-        if gathered:
-            y = jax.lax.psum_scatter(y, gathered, scatter_dimension=0, tiled=True)
-        return y, stats
-
-    param_specs = {"router": jax.tree.map(lambda _: PartitionSpec(), params["router"]), "experts": expert_specs}
-    # check_vma off: a pallas_call's outputs carry no record of which mesh axes they vary over.
-    return jax.shard_map(per_device, mesh=mesh, in_specs=(param_specs, batch_spec),
-                         out_specs=(batch_spec, PartitionSpec()), axis_names=frozenset(mesh.axis_names),
                          check_vma=False)(params, x)
 
 

@@ -18,11 +18,10 @@ from mxc.compiler.plan.stages import adjust_time, stage_counts, stage_policy, wi
 from mxc.compiler.topology import Topology
 from mxc.spec.ir import ModelSpec
 
-# MoE layers train on the lowering's capacity path with MaxText's dropping recipes' factor: the
-# dropless path sorts every assignment of the global batch, which XLA does not partition
-# (Mixtral 8x7B on v5p-256 asked for 7.25 TiB of temporaries), while the capacity path's
-# dispatch and combine are einsums XLA splits over the batch and the experts.
-EXPERT_PATH = "capacity"
+# MoE layers train dropless wherever the mesh splits the experts: each device sends its tokens to
+# their experts' devices (mxc.compiler.lower.expert_dispatch). The capacity path, with MaxText's
+# dropping recipes' factor, is the fallback the search takes only where no dropless candidate
+# fits (and what a recipe's --maxtext capacity_factor asks for).
 CAPACITY_FACTOR = 1.25
 MAX_TENSOR = 16  # beyond this the per-layer all-reduces cost more than any memory they save
 MAX_CONTEXT = 8
@@ -113,11 +112,11 @@ def choices(spec: ModelSpec, params: Parameters, topology: Topology, seq: int, b
             continue
         rules = with_stage_rules(rules, mesh, params.tensors)
         base = Choice(spec, params, topology, mesh, dcn, rules, seq, batch, 1, policies[0],
-                      attention_for(topology, seq, mesh["context"]), tuple(notes), *expert_settings(spec))
+                      attention_for(topology, seq, mesh["context"]), tuple(notes))
         split = base.split("batch")
-        layouts = [base]
+        layouts = [replace(base, expert_path=path, capacity_factor=factor) for path, factor in expert_settings(base)]
         if sequence_parallel_applies(mesh, seq, pinned_rules):
-            layouts.append(replace(base, rules={**rules, "residual_seq": SEQUENCE_PARALLEL}))
+            layouts += [replace(layout, rules={**rules, "residual_seq": SEQUENCE_PARALLEL}) for layout in layouts]
         for count in [microbatches] if microbatches else divisors(batch):
             if batch % count or (batch // count) % split:
                 continue
@@ -133,11 +132,20 @@ def sequence_parallel_applies(mesh: Mapping[str, int], seq: int, pinned_rules: M
     return mesh["tensor"] > 1 and seq % pieces == 0 and "residual_seq" not in pinned_rules
 
 
-def expert_settings(spec: ModelSpec) -> tuple[str | None, float | None]:
-    """(expert path, capacity factor) for the model's MoE layers; (None, None) without any."""
-    if any(kind_of(block.mlp).routing(block.mlp) is not None for block in spec.blocks.values()):
-        return EXPERT_PATH, CAPACITY_FACTOR
-    return None, None
+def expert_settings(choice: Choice) -> list[tuple[str | None, float | None]]:
+    """The (expert path, capacity factor) settings to try for the model's MoE layers on the
+    choice's layout, preferred first: dropless where the rules split the experts, then the
+    capacity path; [(None, None)] without MoE layers."""
+    spec = choice.spec
+    if not any(kind_of(block.mlp).routing(block.mlp) is not None for block in spec.blocks.values()):
+        return [(None, None)]
+    dropless = [("dropless", None)] if choice.split("experts") > 1 else []
+    return dropless + [("capacity", CAPACITY_FACTOR)]
+
+
+def on_capacity_path(item: Scored) -> bool:
+    """Whether a candidate drops tokens (the fallback where no dropless candidate fits)."""
+    return item.choice.expert_path == "capacity"
 
 
 def score(choice: Choice) -> Scored:
@@ -177,7 +185,7 @@ def fastest_fitting(spec: ModelSpec, params: Parameters, topology: Topology, seq
 
 
 def describe(choice: Choice) -> str:
-    mesh = ", ".join(f"{a} {choice.mesh[a]}" for a in MESH_AXES if choice.mesh[a] > 1) or "one device"
+    mesh = ", ".join(f"{a} {choice.mesh[a]}" for a in MESH_AXES if choice.mesh.get(a, 1) > 1) or "one device"
     layout = " (sequence-parallel)" if sequence_parallel(choice.rules) else ""
     return (f"{mesh}{layout}; remat {choice.remat}; "
             f"{choice.microbatches} microbatch{'es' if choice.microbatches > 1 else ''}")

@@ -63,8 +63,9 @@ class Choice:
         return (tuple(sorted((k, tuple(v)) for k, v in self.rules.items())), tuple(sorted(self.mesh.items())))
 
     def memo(self, what: str, compute: Callable[[], T], *, shapes: bool = False) -> T:
-        """`compute()` once per layout (mesh and rules), or per layout and microbatch shape."""
-        shape = (self.microbatch, self.seq, self.attention) if shapes else ()
+        """`compute()` once per layout (mesh and rules), or per layout and microbatch shape (with
+        the paths that shape the intermediates: attention's and the experts')."""
+        shape = (self.microbatch, self.seq, self.attention, self.expert_path, self.capacity_factor) if shapes else ()
         key = (what, id(self.spec), self._keys, shape)
         if key not in _MEMO:
             _MEMO[key] = (self.spec, compute())

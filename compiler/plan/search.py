@@ -6,12 +6,13 @@ analysis decides. A candidate XLA rejects (or reports over HBM) gives way to the
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Callable, Iterator, Mapping
 
 from mxc.compiler.plan import memory
 from mxc.compiler.plan.advice import advice
 from mxc.compiler.plan.candidates import (Scored, attention_for, choices, describe, expert_settings, fits,
-                                          gib, rank, score, uses_memory_lever)
+                                          gib, on_capacity_path, rank, score, uses_memory_lever)
 from mxc.compiler.plan.choice import Choice
 from mxc.compiler.plan.explain import Verdicts
 from mxc.compiler.plan.layout import parameters
@@ -49,8 +50,9 @@ def plan(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, pins: Map
     margin = hbm if judged else UNVERIFIED_SHARE * hbm
     # Memory levers (host offload, sequence parallelism) only where no plan without them fits:
     # the memory model's error on them is not yet within what XLA verifies (docs/plans.md).
+    # MoE layers drop tokens (the capacity path) only where no dropless plan fits.
     fitting = sorted((s for s in scored if fits(s, hbm)),
-                     key=lambda s: (s.memory.total > margin, uses_memory_lever(s), rank(s)))
+                     key=lambda s: (s.memory.total > margin, on_capacity_path(s), uses_memory_lever(s), rank(s)))
     say(f"{len(scored)} candidates, {len(fitting)} predicted to fit in {gib(hbm)}")
     if not fitting:
         return _no_fit(spec, params, topology, seq, batch, pins, scored)
@@ -100,8 +102,8 @@ def evaluate(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, mesh:
     if sequence_parallel:  # the residual stream's sequence split over tensor too
         rules["residual_seq"] = SEQUENCE_PARALLEL
     choice = Choice(spec, params, topology, sizes, dict(dcn or {}), rules, seq, batch, microbatches, remat,
-                    attention or attention_for(topology, seq, sizes["context"]), tuple(notes),
-                    *(experts or expert_settings(spec)))
+                    attention or attention_for(topology, seq, sizes["context"]), tuple(notes))
+    choice = replace(choice, **dict(zip(("expert_path", "capacity_factor"), experts or expert_settings(choice)[0])))
     item = score(choice)
     verdict = Verification(status="skipped", reason="not compiled")
     result = _plan_value(spec, topology, seq, batch, {}, item, verdict, item.memory.total <= topology.usable_hbm_bytes)

@@ -7,6 +7,7 @@ layers with test_moe's helpers). `paths`: the dropless and capacity paths, and m
 more layouts; `training`: gradients through the layer, a model's logits and a whole train step.
 Prints "sharded ok" when every comparison holds; a failed one raises."""
 
+import dataclasses
 import sys
 
 import jax
@@ -15,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 import test_moe as t
+from mxc.compiler.lower.choices import LoweringChoices, use_lowering
 from mxc.compiler.lower.model import forward
 from mxc.compiler.lower.moe import MoEConfig, moe_layer
 from mxc.compiler.lower.params import init_params, moe_defs, param_axes
@@ -56,9 +58,10 @@ def check_paths(mesh: Mesh) -> None:
             np.testing.assert_allclose(stats.aux_loss, reference_stats.aux_loss, rtol=1e-6)
             assert float(stats.dropped) == 0
 
-    # megablox's kernel runs fully manual: also with the hidden units split over `tensor`, and
-    # with a batch split over the expert axis too (tokens gathered, outputs scattered back).
-    megablox = MoEConfig(grouped_matmul="megablox")
+    # megablox's kernel as the dispatch's grouped matmul (Pallas' interpreter here, as the TPU
+    # plans choose it): also with the hidden units split over `tensor`, and with the batch split
+    # over the expert axis too.
+    megablox = dataclasses.replace(LoweringChoices.for_platform("cpu"), grouped_matmul="megablox")
     layouts = [((2, 2, 2), ("data", "expert", "tensor"),
                 {"batch": ("data",), "experts": ("expert",), "mlp": ("tensor",)}),
                ((2, 4), ("data", "expert"), {"batch": ("data", "expert"), "experts": ("expert",)})]
@@ -69,8 +72,8 @@ def check_paths(mesh: Mesh) -> None:
         for shape, names, layout in layouts:
             grid = Mesh(np.array(jax.devices()).reshape(shape), names)
             sharded = jax.device_put(params, tree_shardings(expert_axes(moe), grid, layout))
-            with use_rules(grid, layout):
-                y, stats = jax.jit(lambda p, x: moe_layer(moe, p, x, megablox))(
+            with use_rules(grid, layout), use_lowering(megablox):
+                y, stats = jax.jit(lambda p, x: moe_layer(moe, p, x, MoEConfig()))(
                     sharded, jax.device_put(x, named_sharding(("batch", "seq", "embed"), grid, layout)))
             np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-5, err_msg=f"{name} {shape}")
             np.testing.assert_array_equal(stats.expert_load, reference_stats.expert_load)
