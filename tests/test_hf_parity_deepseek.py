@@ -341,13 +341,13 @@ def _reference_deepseek_models() -> list[dict]:
 
 
 def test_real_configs_import_with_the_reference_parameter_counts():
-    """config.json of DeepSeek-V2-Lite, V2 and V3 imports to a spec with the parameter count
-    transformers counts (V3's MTP module counted apart, as the reference does)."""
+    """config.json of DeepSeek-V2-Lite, V2, V3 and R1 (V3's architecture) imports to a spec with the
+    parameter count transformers counts (V3's MTP module counted apart, as the reference does)."""
     from mxc.compiler.analysis import summarize
     from mxc.compiler.hf.config_in import spec_from_config
 
     entries = _reference_deepseek_models()
-    assert len(entries) == 3
+    assert len(entries) == 4
     for entry in entries:
         config = getattr(transformers, CONFIG_CLASSES[entry["hf_class"]])(**entry["config"]).to_dict()
         summary = summarize(spec_from_config(config, "m"))
@@ -362,7 +362,7 @@ def test_zoo_models_export_the_reference_configs():
     from mxc.spec.load import load_model
 
     entries = [e for e in _reference_deepseek_models() if e["zoo"]]
-    assert len(entries) == 3
+    assert len(entries) == 4  # deepseek2-16b, deepseek2-236b, deepseek3-671b, deepseek-r1
     for entry in entries:
         config = config_from_spec(load_model(entry["zoo"]))
         assert config["architectures"] == [entry["hf_class"]], entry["zoo"]
