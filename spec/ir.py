@@ -178,7 +178,21 @@ class MLA(_AttentionCommon):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
-Attention = Annotated[Union[MHA, GQA, MQA, MLA], Field(discriminator="kind")]
+class CrossAttention(_AttentionCommon):
+    """Llama 3.2 Vision: the layer's queries come from the text, its keys and values from the
+    projected image features (the tower's entry is cross_attention), each head's queries and keys
+    normalised by `qk_norm`; no positions. With `gated`, the block's attention and feed-forward
+    outputs are each scaled by tanh of a learned scalar before they join the residual, and the
+    feed-forward's by 0 on a text row that sees no image."""
+
+    kind: Literal["cross_attention"] = "cross_attention"
+    kv_heads: PositiveInt
+    head_dim: PositiveInt
+    rope: None = None
+    gated: bool = True
+
+
+Attention = Annotated[Union[MHA, GQA, MQA, MLA, CrossAttention], Field(discriminator="kind")]
 
 
 # ---------------------------------------------------------------- feed-forward
@@ -263,6 +277,16 @@ class Embedding(Node):
     kind: Literal["embedding"] = "embedding"
     tied: bool  # the output head reuses the embedding matrix
     scale: Literal["none", "sqrt_d_model"] = "none"  # Gemma multiplies by sqrt(d_model)
+    # Rows beyond the vocabulary that only the input table has (Llama 3.2 Vision: 8, its image
+    # token among them); the output head keeps `vocab`.
+    extra_rows: int = Field(default=0, ge=0)
+
+    @model_serializer(mode="wrap")
+    def _without_unset_extra_rows(self, handler):
+        data = handler(self)
+        if data.get("extra_rows") == 0:
+            del data["extra_rows"]
+        return data
 
 
 class MTP(Node):
@@ -338,7 +362,15 @@ class PixelShuffleProjector(Node):
     act: Activation = "gelu"
 
 
-Projector = Annotated[Union[PooledProjector, PixelShuffleProjector], Field(discriminator="kind")]
+class LinearProjector(Node):
+    """Llama 3.2 Vision: one matrix from every encoder token's features (the final output and the
+    kept intermediate layers' outputs side by side) to the text model's d_model."""
+
+    kind: Literal["linear"] = "linear"
+    bias: bool = True
+
+
+Projector = Annotated[Union[PooledProjector, PixelShuffleProjector, LinearProjector], Field(discriminator="kind")]
 
 
 class ImagePlaceholders(Node):
@@ -353,7 +385,27 @@ class ImagePlaceholders(Node):
     bidirectional: bool = False
 
 
-ImageEntry = ImagePlaceholders  # a union (discriminated on kind) once a second kind joins
+class CrossAttentionEntry(Node):
+    """The projected image tokens are the keys and values of the text model's cross_attention
+    layers (Llama 3.2 Vision); the text holds one `token` per image where the processor put it, an
+    ordinary token to the text model."""
+
+    kind: Literal["cross_attention"] = "cross_attention"
+    token: int = Field(ge=0)
+
+
+class Tiles(Node):
+    """Llama 3.2 Vision: an image arrives as up to `max` square tiles laid out by one of
+    `aspect_ratios` arrangements (ids 1..aspect_ratios; 0 is no image). Learned, tanh-gated
+    embeddings per (arrangement, tile) join the patches before and after the local encoder, and per
+    (arrangement, tile, position) join the positions; the class token comes first."""
+
+    kind: Literal["tiles"] = "tiles"
+    max: PositiveInt
+    aspect_ratios: PositiveInt
+
+
+ImageEntry = Annotated[Union[ImagePlaceholders, CrossAttentionEntry], Field(discriminator="kind")]
 
 
 class VisionTower(Node):
@@ -372,13 +424,19 @@ class VisionTower(Node):
     class_token: bool = False
     pre_norm: Norm | None = None
     rope: AxialRope | None = None
+    # Llama 3.2 Vision: tiles, a gated global encoder of `global_layers` layers after the final
+    # norm, and the local layers (counted from 0) whose outputs join the global encoder's.
+    tiles: Tiles | None = None
+    global_layers: int = Field(default=0, ge=0)
+    intermediate: tuple[int, ...] = ()
 
     @model_serializer(mode="wrap")
     def _without_unset_llama4_parts(self, handler):
         # Absent unless given, so the other towers keep their canonical JSON and spec hashes.
         data = handler(self)
-        for optional, unset in (("class_token", False), ("pre_norm", None), ("rope", None)):
-            if optional in data and data[optional] == unset:
+        # Each is falsy exactly when unset (False, None, 0, an empty list).
+        for optional in ("class_token", "pre_norm", "rope", "tiles", "global_layers", "intermediate"):
+            if optional in data and not data[optional]:
                 del data[optional]
         return data
 

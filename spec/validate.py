@@ -30,6 +30,9 @@ def validate(spec: ModelSpec, report: Report) -> None:
         from mxc.compiler.kinds import vision
 
         vision.check(spec, report)
+    from mxc.compiler.kinds.cross_attention import check_entry
+
+    check_entry(spec, report)
     used = set(spec.layer_kinds)
     for name in spec.blocks:
         if name not in used and not (spec.mtp and spec.mtp.block == name):

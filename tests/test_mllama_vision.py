@@ -10,9 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from mxc.compiler.hf.mllama import params_from_state, vision_tensor_maps  # noqa: E402
+from mxc.compiler.hf.mllama import params_from_state, tower_from_config, vision_tensor_maps  # noqa: E402
 from mxc.compiler.lower import vision_mllama  # noqa: E402
-from mxc.compiler.lower.vision_mllama import MllamaTower  # noqa: E402
 
 # 16-pixel tiles of 4-pixel patches: 17 tokens per tile (class token first), padded to 24; up to
 # 4 tiles; local layers 0 and 2 kept beside the global output: 3 x 32 = 96 features per token.
@@ -22,8 +21,7 @@ VISION = dict(image_size=16, patch_size=4, num_channels=3, hidden_size=32, atten
 TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, cross_attention_layers=[1, 3], rms_norm_eps=1e-5, pad_token_id=0,
             bos_token_id=1, eos_token_id=2)
-TOWER = MllamaTower(image=16, patch=4, channels=3, width=32, heads=4, hidden=64, layers=3, global_layers=2,
-                    tiles=4, aspect_ratios=8, intermediate=(0, 2))
+TOWER = tower_from_config({"vision_config": VISION, "image_token_index": 127})
 
 # Two images: 2x2 tiles (aspect ratio id 6) and 1x2 tiles (id 2, the last two tiles padding).
 ASPECT_RATIO_IDS = np.array([6, 2])

@@ -12,8 +12,57 @@ from typing import Iterator
 
 import numpy as np
 
+from mxc.compiler.hf.config_in import ConfigError, config_dtype, dense_spec_from_config, segments
 from mxc.compiler.hf.mapping import TensorMap, _heads_in, _heads_out, _same, _transpose
-from mxc.compiler.lower.vision_mllama import MllamaTower
+from mxc.compiler.kinds.vision import num_positions
+from mxc.spec.ir import (MHA, MLP, Block, CrossAttention, CrossAttentionEntry, EncoderBlock, LayerNorm,
+                         LearnedPositions, LinearProjector, ModelSpec, Patches, RMSNorm, Tiles, VisionTower)
+
+ARCHITECTURES = {"mllama": "MllamaForConditionalGeneration"}
+EXTRA_ROWS = 8  # MllamaTextModel's embed_tokens has vocab_size + 8 rows
+
+# MllamaVisionConfig's default arrangements of up to four tiles.
+ASPECT_RATIOS = [[1, 1], [1, 2], [1, 3], [1, 4], [2, 1], [2, 2], [3, 1], [4, 1]]
+IMAGE_TOKEN = 128256  # MllamaConfig's image_token_index
+
+
+def tower_from_config(cfg: dict) -> VisionTower:
+    """An MllamaConfig (dict) -> its vision tower; what mxc cannot express is a ConfigError."""
+    vision_cfg = cfg.get("vision_config") or {}
+
+    def size(key, default):
+        value = vision_cfg.get(key, default)
+        if isinstance(value, (list, tuple)):
+            if len(set(value)) != 1:
+                raise ConfigError(f"vision_config.{key} {value}: mxc's Llama 3.2 Vision tower takes square tiles")
+            value = value[0]
+        return value
+
+    act = vision_cfg.get("hidden_act", "gelu")
+    if act != "gelu":
+        raise ConfigError(f"vision_config.hidden_act '{act}': mxc reads Llama 3.2 Vision's gelu only")
+    width = size("hidden_size", 1280)
+    heads = vision_cfg.get("attention_heads", vision_cfg.get("num_attention_heads", 16))
+    intermediate = tuple(vision_cfg.get("intermediate_layers_indices") or (3, 7, 15, 23, 30))
+    output = vision_cfg.get("vision_output_dim", 7680)
+    if output != width * (1 + len(intermediate)):
+        raise ConfigError(f"vision_config.vision_output_dim {output} must be hidden_size x (1 + "
+                          f"len(intermediate_layers_indices)) = {width * (1 + len(intermediate))}")
+    patch = size("patch_size", 14)
+    outer = LayerNorm(eps=1e-5)  # transformers' layernorm_pre/post keep nn.LayerNorm's eps
+    return VisionTower(
+        image=size("image_size", 448), d_model=width,
+        patches=Patches(size=patch, stride=patch, channels=vision_cfg.get("num_channels", 3), bias=False),
+        positions=LearnedPositions(),
+        block=EncoderBlock(attention=MHA(heads=heads, head_dim=width // heads, rope=None),
+                           mlp=MLP(hidden=vision_cfg.get("intermediate_size", 5120), act="gelu", bias=True),
+                           norm=LayerNorm(eps=vision_cfg.get("norm_eps", 1e-5))),
+        layers=vision_cfg.get("num_hidden_layers", 32), final_norm=outer, projector=LinearProjector(),
+        entry=CrossAttentionEntry(token=cfg.get("image_token_index", IMAGE_TOKEN)),
+        class_token=True, pre_norm=outer,
+        tiles=Tiles(max=vision_cfg.get("max_num_tiles", 4),
+                    aspect_ratios=len(vision_cfg.get("supported_aspect_ratios") or ASPECT_RATIOS)),
+        global_layers=vision_cfg.get("num_global_layers", 8), intermediate=intermediate)
 
 
 def _scalar():
@@ -21,14 +70,15 @@ def _scalar():
     return (lambda g: g.reshape(()), lambda g: g.reshape(1))
 
 
-def _patches(tower: MllamaTower):
+def _patches(tower: VisionTower):
     # HF Conv2d [width, channel, row, column] <-> mxc [row, column, channel, width] (HWIO)
     return (lambda w: w.transpose(2, 3, 1, 0), lambda k: k.transpose(3, 2, 0, 1))
 
 
-def _aspect_table(tower: MllamaTower, tokens: int | None):
+def _aspect_table(tower: VisionTower, tokens: int | None):
     # HF [ids, tiles · (tokens ·) width] <-> mxc [ids, tiles, (tokens,) width]
-    inner = (tower.tiles, tower.width) if tokens is None else (tower.tiles, tokens, tower.width)
+    tiles, width = tower.tiles.max, tower.d_model
+    inner = (tiles, width) if tokens is None else (tiles, tokens, width)
     return (lambda w: w.reshape(w.shape[0], *inner), lambda t: t.reshape(t.shape[0], -1))
 
 
@@ -37,8 +87,8 @@ def _layernorm(hf: str, path: tuple, layer=None) -> Iterator[TensorMap]:
     yield TensorMap(hf + ".bias", path + ("bias",), layer, _same, _same)
 
 
-def _encoder(tower: MllamaTower, hf: str, path: tuple, count: int, gated: bool) -> Iterator[TensorMap]:
-    heads, head_dim = tower.heads, tower.width // tower.heads
+def _encoder(tower: VisionTower, hf: str, path: tuple, count: int, gated: bool) -> Iterator[TensorMap]:
+    heads, head_dim = tower.block.attention.heads, tower.block.attention.head_dim
     for i in range(count):
         layer = f"{hf}.layers.{i}."
         yield from _layernorm(layer + "input_layernorm", path + ("attention_norm",), i)
@@ -56,7 +106,7 @@ def _encoder(tower: MllamaTower, hf: str, path: tuple, count: int, gated: bool) 
             yield TensorMap(layer + "gate_ffn", path + ("mlp_gate",), i, *_scalar())
 
 
-def vision_tensor_maps(tower: MllamaTower, prefix: str = "model.") -> Iterator[TensorMap]:
+def vision_tensor_maps(tower: VisionTower, prefix: str = "model.") -> Iterator[TensorMap]:
     """The tower's and projector's tensors (under params["vision"]); prefix "model." for
     transformers' module tree, "" for save_pretrained files."""
     base, hf = ("vision",), prefix + "vision_model."
@@ -66,7 +116,7 @@ def vision_tensor_maps(tower: MllamaTower, prefix: str = "model.") -> Iterator[T
     yield TensorMap(positions + "embedding", base + ("positions", "embedding"), None, _same, _same)
     yield TensorMap(positions + "gate", base + ("positions", "gate"), None, *_scalar())
     yield TensorMap(positions + "tile_embedding.weight", base + ("positions", "tile_embedding"), None,
-                    *_aspect_table(tower, tower.tokens))
+                    *_aspect_table(tower, num_positions(tower)))
     for hf_name, name in (("pre_tile_positional_embedding", "pre_tile"), ("post_tile_positional_embedding", "post_tile")):
         yield TensorMap(f"{hf}{hf_name}.embedding.weight", base + (name, "embedding"), None,
                         *_aspect_table(tower, None))
@@ -93,3 +143,29 @@ def params_from_state(maps, state: dict) -> dict:
             node = node.setdefault(key, {})
         node[path[-1]] = by_layer[None] if None in by_layer else np.stack([by_layer[i] for i in sorted(by_layer)])
     return tree
+
+
+def spec_from_config(cfg: dict, name: str, param_dtype: str | None = None) -> ModelSpec:
+    """An MllamaConfig (dict) -> the text model (Llama's self-attention layers `dense` and the
+    cross-attention layers `cross` where cross_attention_layers says) with the tower."""
+    text_cfg = dict(cfg.get("text_config") or {})
+    crosses = set(text_cfg.pop("cross_attention_layers", None) or (3, 8, 13, 18, 23, 28, 33, 38))
+    layers = text_cfg.get("num_hidden_layers", 40)
+    if not crosses <= set(range(layers)):
+        raise ConfigError(f"text_config.cross_attention_layers {sorted(crosses)} name layers outside 0..{layers - 1}")
+    text_cfg["model_type"] = "llama"
+    text_cfg.setdefault("max_position_embeddings", 131072)
+    try:
+        text = dense_spec_from_config(text_cfg, "llama", name, param_dtype or config_dtype(cfg))
+    except KeyError as err:
+        raise ConfigError(f"text_config has no {err.args[0]}") from None
+    (dense,) = text.blocks.values()
+    self_att, eps = dense.attention, text_cfg.get("rms_norm_eps", 1e-6)
+    cross = Block(attention=CrossAttention(heads=self_att.heads, kv_heads=self_att.kv_heads,
+                                           head_dim=self_att.head_dim, qk_norm=RMSNorm(eps=eps)),
+                  mlp=dense.mlp, norm=dense.norm)
+    kinds = ["cross" if i in crosses else "dense" for i in range(layers)]
+    return text.model_copy(update={
+        "embedding": text.embedding.model_copy(update={"extra_rows": EXTRA_ROWS}),
+        "blocks": {"dense": dense, "cross": cross}, "layers": tuple(segments(kinds)),
+        "vision": tower_from_config(cfg)})

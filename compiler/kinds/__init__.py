@@ -20,7 +20,7 @@ from mxc.compiler.kinds.base import AttentionKind, FeedForwardKind, FFNCount, Ro
 __all__ = ["AttentionKind", "FeedForwardKind", "FFNCount", "Routing", "UnregisteredKindError",
            "kind_of", "register", "unregister"]
 
-BUILTIN_MODULES = ("attention", "mla", "dense_ffn", "moe")
+BUILTIN_MODULES = ("attention", "mla", "dense_ffn", "moe", "cross_attention")
 
 _REGISTRY: dict[type, AttentionKind | FeedForwardKind] = {}
 _loaded = False

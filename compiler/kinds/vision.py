@@ -12,8 +12,9 @@ import math
 
 from mxc.compiler.kinds import kind_of
 from mxc.compiler.kinds.base import Report
-from mxc.compiler.lower.param_def import is_def, linear, map_defs, matrix, norm_defs
-from mxc.spec.ir import LearnedPositions, ModelSpec, PixelShuffleProjector, PooledProjector, VisionTower
+from mxc.compiler.lower.param_def import ParamDef, is_def, linear, map_defs, matrix, norm_defs
+from mxc.spec.ir import (CrossAttentionEntry, LearnedPositions, LinearProjector, ModelSpec, PixelShuffleProjector,
+                         PooledProjector, VisionTower)
 
 PATH = ("vision",)
 
@@ -56,11 +57,45 @@ def check(spec: ModelSpec, report: Report) -> None:
         if getattr(att, "head_dim", 0) % 4:
             report(PATH + ("block", "attention", "head_dim"), f"the tower's rope_2d splits each head in quarters; "
                    f"head_dim {att.head_dim} is not a multiple of 4")
+    _check_tiles(tower, report)
     entry = tower.entry
     for field, what in (("token", "image placeholder"), ("begin", "begin-of-image"), ("end", "end-of-image")):
-        value = getattr(entry, field)
-        if value is not None and value >= spec.vocab:
-            report(PATH + ("entry", field), f"the {what} token ({value}) is outside the vocabulary ({spec.vocab})")
+        value = getattr(entry, field, None)
+        rows = spec.vocab + spec.embedding.extra_rows  # the input table's rows
+        if value is not None and value >= rows:
+            report(PATH + ("entry", field), f"the {what} token ({value}) is outside the vocabulary ({rows})")
+
+
+def _check_tiles(tower: VisionTower, report) -> None:
+    """Llama 3.2 Vision's parts come together: tiles, the linear projector of the kept layers'
+    features, the cross-attention entry, a class token and learned positions."""
+    linear, cross = isinstance(tower.projector, LinearProjector), isinstance(tower.entry, CrossAttentionEntry)
+    if tower.tiles is not None or linear or cross:
+        for field, fits in (("projector", linear), ("entry", cross)):
+            if not fits:
+                report(PATH + (field,), f"this {field} does not fit Llama 3.2 Vision's tower, which needs "
+                       "tiles = tiles(...), projector = linear() and entry = cross_attention(...)")
+        if tower.tiles is None:
+            report(PATH + ("tiles",), "a linear projector or a cross_attention entry "
+                   "is part of Llama 3.2 Vision's tower, which also needs tiles = tiles(...)")
+    for index, layer in enumerate(tower.intermediate):
+        if layer >= tower.layers:
+            report(PATH + ("intermediate", index), f"intermediate layer {layer} is not one of the "
+                   f"{tower.layers} encoder layers (counted from 0)")
+    if (tower.intermediate or tower.global_layers) and tower.tiles is None:
+        field = "intermediate" if tower.intermediate else "global_layers"
+        report(PATH + (field,), f"{field} is part of Llama 3.2 Vision's tower, which needs tiles = tiles(...)")
+    if tower.tiles is not None:
+        if not tower.class_token or not isinstance(tower.positions, LearnedPositions):
+            report(PATH + ("tiles",), "a tiled tower needs class_token = true and positions = learned()")
+        if tower.pre_norm is None or tower.final_norm is None:
+            report(PATH + ("tiles",), "a tiled tower needs pre_norm and final_norm (around its local encoder)")
+
+
+def output_width(tower: VisionTower) -> int:
+    """Features per encoder token that the projector reads: the final output and, for a tiled
+    tower, each kept intermediate layer's."""
+    return tower.d_model * (1 + len(tower.intermediate))
 
 
 def tokens_per_image(tower: VisionTower) -> int:
@@ -90,6 +125,11 @@ def param_defs(spec: ModelSpec) -> dict:
             "layers": map_defs(lambda d: d.stacked(tower.layers), block_defs(tower.block, width))}
     if isinstance(tower.positions, LearnedPositions):
         defs["positions"] = {"embedding": matrix((num_positions(tower), width), (None, "embed"))}
+    if tower.tiles is not None:
+        defs.update(_tile_defs(tower))
+        gates = {"attention_gate": ParamDef((), (), "zeros"), "mlp_gate": ParamDef((), (), "zeros")}
+        defs["global_layers"] = map_defs(lambda d: d.stacked(tower.global_layers),
+                                         {**block_defs(tower.block, width), **gates})
     if tower.class_token:
         defs["class_embedding"] = matrix((width,), ("embed",))
     if tower.pre_norm is not None:
@@ -102,10 +142,35 @@ def param_defs(spec: ModelSpec) -> dict:
         defs["projector"] = {"adapter": {"up": {"kernel": matrix((_shuffled_width(tower), adapter), (None, "mlp"))},
                                          "down": {"kernel": matrix((adapter, adapter), ("mlp", None))}},
                              "kernel": matrix((adapter, spec.d_model), (None, "embed"))}
+    elif isinstance(projector, LinearProjector):
+        defs["projector"] = linear((output_width(tower),), (None,), (spec.d_model,), ("embed",), projector.bias)
     else:
         defs["projector"] = {"norm": norm_defs(projector.norm, width, "embed"),
                              **linear((width,), (None,), (spec.d_model,), ("embed",), projector.bias)}
     return defs
+
+
+def _tile_defs(tower: VisionTower) -> dict:
+    """The gated tile tables (layout in mxc.compiler.lower.vision_mllama); ids run 0 .. aspect_ratios."""
+    tiles, ids, width = tower.tiles.max, tower.tiles.aspect_ratios + 1, tower.d_model
+    gate = ParamDef((), (), "zeros")
+
+    def table(*inner):
+        return matrix((ids, tiles, *inner, width), (None, None, *(None,) * len(inner), "embed"))
+
+    return {"pre_tile": {"embedding": table(), "gate": gate}, "post_tile": {"embedding": table(), "gate": gate},
+            "positions": {"embedding": matrix((num_positions(tower), width), (None, "embed")), "gate": gate,
+                          "tile_embedding": table(num_positions(tower))}}
+
+
+def _tile_count(tower: VisionTower) -> int:
+    if tower.tiles is None:
+        return 0
+    tiles, ids, width = tower.tiles.max, tower.tiles.aspect_ratios + 1, tower.d_model
+    from mxc.compiler.analysis import block_params
+
+    global_layers = tower.global_layers * (block_params(tower.block, width).total + 2)
+    return 2 * (ids * tiles * width + 1) + ids * tiles * num_positions(tower) * width + 1 + global_layers
 
 
 def param_count(spec: ModelSpec) -> int:
@@ -126,7 +191,9 @@ def param_count(spec: ModelSpec) -> int:
     if isinstance(projector, PixelShuffleProjector):
         adapter = projector.adapter
         projection = _shuffled_width(tower) * adapter + adapter * adapter + adapter * spec.d_model
+    elif isinstance(projector, LinearProjector):
+        projection = output_width(tower) * spec.d_model + (spec.d_model if projector.bias else 0)
     else:
         projection = (norm_params(projector.norm, width) + width * spec.d_model
                       + (spec.d_model if projector.bias else 0))
-    return patches + positions + encoder + projection
+    return patches + positions + encoder + projection + _tile_count(tower)

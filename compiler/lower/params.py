@@ -70,7 +70,7 @@ def param_defs(spec: ModelSpec) -> dict:
         segments.append([jax.tree.map(lambda p: p.stacked(seg.repeat), block_defs(spec.blocks[name], d),
                                       is_leaf=is_def)
                          for name in seg.period])
-    defs = {"embed": {"embedding": matrix((spec.vocab, d), ("vocab", "embed"))},
+    defs = {"embed": {"embedding": matrix((spec.vocab + spec.embedding.extra_rows, d), ("vocab", "embed"))},
             "segments": segments,
             "final_norm": norm_defs(spec.final_norm, d, "embed")}
     if not spec.embedding.tied:

@@ -19,7 +19,9 @@ padding when it is one of the padded positions or in a tile the aspect-ratio mas
 query and a key that are both padding are kept apart: real tokens see the padding too.
 
 The numerical reference is transformers' MllamaVisionModel and MllamaModel.multi_modal_projector.
-Parameters (kernels [in, out], heads split out, encoder layers stacked on a leading axis):
+The tower is the IR's VisionTower with tiles, global_layers, intermediate and a linear projector.
+Parameters (params["vision"], from mxc.compiler.kinds.vision; kernels [in, out], heads split out,
+encoder layers stacked on a leading axis):
 
     {"patches": {"kernel": [patch, patch, channels, width]},
      "class_embedding": [width],
@@ -39,8 +41,6 @@ Parameters (kernels [in, out], heads split out, encoder layers stacked on a lead
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
@@ -48,67 +48,27 @@ from mxc.compiler.lower.attention_core import attend
 from mxc.compiler.lower.ffn import ffn_layer
 from mxc.compiler.lower.norms import apply_norm
 from mxc.compiler.lower.projection import project
+from mxc.compiler.kinds.vision import num_positions, output_width
 from mxc.compiler.lower.vision import patch_embeddings
-from mxc.spec.ir import MHA, MLP, EncoderBlock, LayerNorm, Patches
+from mxc.spec.ir import VisionTower
 
 PAD_MULTIPLE = 8  # transformers pads each tile's tokens to a multiple of 8
 
 
-@dataclasses.dataclass(frozen=True)
-class MllamaTower:
-    """The sizes of an mllama vision tower (transformers' MllamaVisionConfig)."""
-    image: int  # side of one square tile, in pixels
-    patch: int
-    channels: int
-    width: int
-    heads: int
-    hidden: int
-    layers: int
-    global_layers: int
-    tiles: int  # max_num_tiles
-    aspect_ratios: int  # len(supported_aspect_ratios); ids run 0 (no image) .. aspect_ratios
-    intermediate: tuple[int, ...]  # local layers whose outputs join the global encoder's
-    eps: float = 1e-5  # the encoder layers' LayerNorms (norm_eps)
-    outer_eps: float = 1e-5  # layernorm_pre and layernorm_post (nn.LayerNorm's default)
-
-    @property
-    def patches(self) -> Patches:
-        return Patches(size=self.patch, stride=self.patch, channels=self.channels, bias=False)
-
-    @property
-    def block(self) -> EncoderBlock:
-        return EncoderBlock(attention=MHA(heads=self.heads, head_dim=self.width // self.heads, rope=None),
-                            mlp=MLP(hidden=self.hidden, act="gelu", bias=True), norm=LayerNorm(eps=self.eps))
-
-    @property
-    def outer_norm(self) -> LayerNorm:
-        return LayerNorm(eps=self.outer_eps)
-
-    @property
-    def tokens(self) -> int:
-        """Tokens per tile: the patches and the class token."""
-        return (self.image // self.patch) ** 2 + 1
-
-    @property
-    def padded_tokens(self) -> int:
-        return -(-self.tokens // PAD_MULTIPLE) * PAD_MULTIPLE
-
-    @property
-    def output_dim(self) -> int:
-        """vision_output_dim: the final output and each kept intermediate one."""
-        return self.width * (1 + len(self.intermediate))
+def padded_tokens(tower: VisionTower) -> int:
+    return -(-num_positions(tower) // PAD_MULTIPLE) * PAD_MULTIPLE
 
 
-def padding_positions(tower: MllamaTower, aspect_ratio_mask: jax.Array) -> jax.Array:
+def padding_positions(tower: VisionTower, aspect_ratio_mask: jax.Array) -> jax.Array:
     """[images, tiles] 0/1 -> [images, tiles * padded_tokens] booleans: transformers' padding,
     the padded positions of every tile and every token of a dropped tile. (Some position is
     always padded: a square plus one is never a multiple of 8.)"""
-    padded_position = jnp.arange(tower.padded_tokens) >= tower.tokens
+    padded_position = jnp.arange(padded_tokens(tower)) >= num_positions(tower)
     dropped = aspect_ratio_mask[:, :, None] == 0
     return (dropped | padded_position[None, None, :]).reshape(aspect_ratio_mask.shape[0], -1)
 
 
-def _encoder_layer(tower: MllamaTower, params: dict, x: jax.Array, q_positions, kv_positions,
+def _encoder_layer(tower: VisionTower, params: dict, x: jax.Array, q_positions, kv_positions,
                    gated: bool) -> jax.Array:
     block, dtype = tower.block, x.dtype
     h = apply_norm(block.norm, params["attention_norm"], x)
@@ -131,13 +91,13 @@ def _aspect_embedding(params: dict, aspect_ratio_ids: jax.Array, dtype) -> jax.A
     return (jnp.tanh(params["gate"]).astype(dtype) * table)[:, :, None, :]
 
 
-def encode_tiles(tower: MllamaTower, vp: dict, pixel_values: jax.Array, aspect_ratio_ids: jax.Array,
+def encode_tiles(tower: VisionTower, vp: dict, pixel_values: jax.Array, aspect_ratio_ids: jax.Array,
                  aspect_ratio_mask: jax.Array, dtype) -> jax.Array:
     """pixel_values [images, tiles, channels, image, image], aspect_ratio_ids [images],
-    aspect_ratio_mask [images, tiles] -> [images, tiles, tokens, output_dim]: transformers'
+    aspect_ratio_mask [images, tiles] -> [images, tiles, tokens, output_width]: transformers'
     MllamaVisionModel last_hidden_state (per image; the batch axis folded into images)."""
     images, tiles = pixel_values.shape[:2]
-    width, tokens, padded = tower.width, tower.tokens, tower.padded_tokens
+    width, tokens, padded = tower.d_model, num_positions(tower), padded_tokens(tower)
     x = patch_embeddings(tower, vp["patches"], pixel_values.reshape(images * tiles, *pixel_values.shape[2:]), dtype)
     x = x.reshape(images, tiles, tokens - 1, width) + _aspect_embedding(vp["pre_tile"], aspect_ratio_ids, dtype)
     cls = jnp.broadcast_to(vp["class_embedding"].astype(dtype), (images, tiles, 1, width))
@@ -146,7 +106,7 @@ def encode_tiles(tower: MllamaTower, vp: dict, pixel_values: jax.Array, aspect_r
     gate = jnp.tanh(positions["gate"]).astype(dtype)
     x = x + (1 - gate) * positions["embedding"].astype(dtype)
     x = x + gate * positions["tile_embedding"][aspect_ratio_ids].astype(dtype)
-    x = apply_norm(tower.outer_norm, vp["pre_norm"], x)
+    x = apply_norm(tower.pre_norm, vp["pre_norm"], x)
     x = jnp.pad(x, ((0, 0), (0, 0), (0, padded - tokens), (0, 0))).reshape(images, tiles * padded, width)
 
     # A query may see a key unless both are padding: causal visibility over two levels does it,
@@ -161,7 +121,7 @@ def encode_tiles(tower: MllamaTower, vp: dict, pixel_values: jax.Array, aspect_r
 
     x, every_output = jax.lax.scan(local, x, vp["layers"])
     kept = every_output[jnp.asarray(tower.intermediate)]  # [kept, images, tiles * padded, width]
-    x = apply_norm(tower.outer_norm, vp["final_norm"], x)
+    x = apply_norm(tower.final_norm, vp["final_norm"], x)
     x = x.reshape(images, tiles, padded, width) + _aspect_embedding(vp["post_tile"], aspect_ratio_ids, dtype)
     x = x.reshape(images, tiles * padded, width)
 
@@ -171,12 +131,12 @@ def encode_tiles(tower: MllamaTower, vp: dict, pixel_values: jax.Array, aspect_r
     x, _ = jax.lax.scan(global_, x, vp["global_layers"])
     # transformers stacks the kept outputs on a last axis: feature-major, layer-minor.
     kept = jnp.moveaxis(kept, 0, -1).reshape(images, tiles * padded, width * len(tower.intermediate))
-    out = jnp.concatenate([x, kept], axis=-1).reshape(images, tiles, padded, tower.output_dim)
+    out = jnp.concatenate([x, kept], axis=-1).reshape(images, tiles, padded, output_width(tower))
     return out[:, :, :tokens]
 
 
 def project_tiles(vp: dict, features: jax.Array, dtype) -> jax.Array:
-    """[images, tiles, tokens, output_dim] -> [images, tiles * tokens, text d_model]: the keys'
+    """[images, tiles, tokens, output_width] -> [images, tiles * tokens, text d_model]: the keys'
     and values' source for the text model's cross-attention layers, an image's tiles in order."""
     out = project(features, vp["projector"], "...i,io->...o", dtype)
     return out.reshape(out.shape[0], -1, out.shape[-1])

@@ -1,0 +1,86 @@
+"""Cross-attention to image features (Llama 3.2 Vision's image layers): queries from the text,
+keys and values from the tower's projected tokens, per-head q/k norms, and the block's two tanh
+gates (its attention and feed-forward outputs), which live with the attention's parameters.
+
+The keys and values are made once per image at prefill, so a text token goes through the query
+and output projections only; the lowering is mxc.compiler.lower.cross_attention.
+"""
+
+from __future__ import annotations
+
+from mxc.compiler.analysis import norm_params
+from mxc.compiler.kinds import register
+from mxc.compiler.kinds.base import AttentionKind
+from mxc.compiler.lower.param_def import linear, norm_defs, zeros
+from mxc.spec.ir import CrossAttention, CrossAttentionEntry
+
+CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
+
+
+class CrossAttentionKind(AttentionKind):
+    ir_classes = (CrossAttention,)
+
+    def check(self, att, at, report):
+        if att.heads % att.kv_heads:
+            report(at + ("kv_heads",), f"heads ({att.heads}) is not divisible by kv_heads ({att.kv_heads})",
+                   "every key/value head must serve the same number of query heads")
+        for field in ("window", "chunk", "softcap", "temperature_tuning", "query_pre_attn_scalar"):
+            if getattr(att, field) is not None:
+                report(at + (field,), f"cross-attention to an image takes no {field}")
+        if att.sinks:
+            report(at + ("sinks",), "cross-attention to an image takes no sinks")
+
+    def param_defs(self, att, d_model):
+        h, kv, hd = att.heads, att.kv_heads, att.head_dim
+        defs = {
+            "q": linear((d_model,), ("embed",), (h, hd), ("heads", "head_dim"), att.qkv_bias),
+            "k": linear((d_model,), ("embed",), (kv, hd), ("kv_heads", "head_dim"), att.qkv_bias),
+            "v": linear((d_model,), ("embed",), (kv, hd), ("kv_heads", "head_dim"), att.qkv_bias),
+            "o": linear((h, hd), ("heads", "head_dim"), (d_model,), ("embed",), att.out_bias),
+        }
+        if att.qk_norm is not None:
+            defs["q_norm"] = norm_defs(att.qk_norm, hd, "head_dim")
+            defs["k_norm"] = norm_defs(att.qk_norm, hd, "head_dim")
+        if att.gated:
+            # Zero at initialisation (as transformers starts them): a new image layer changes nothing.
+            defs["attention_gate"] = zeros((), ())
+            defs["mlp_gate"] = zeros((), ())
+        return defs
+
+    def param_counts(self, att, d_model):
+        q_dim, kv_dim = att.heads * att.head_dim, att.kv_heads * att.head_dim
+        weights = d_model * (q_dim + 2 * kv_dim) + q_dim * d_model
+        extra = (q_dim + 2 * kv_dim) if att.qkv_bias else 0
+        extra += d_model if att.out_bias else 0
+        extra += 2 * norm_params(att.qk_norm, att.head_dim) + (2 if att.gated else 0)
+        # A text token goes through the query and output projections; keys and values are the image's.
+        qkv, out = self.projection_weights(att, d_model)
+        return weights + extra, qkv + out
+
+    def projection_weights(self, att, d_model):
+        return d_model * att.heads * att.head_dim, att.heads * att.head_dim * d_model
+
+    def value_head_dim(self, att):
+        return att.head_dim
+
+    def cache_entries(self, att, batch, length):
+        return {}  # the image's keys and values are made from the images at every call
+
+    def apply(self, att, params, x, positions, **kwargs):
+        raise ValueError("a cross_attention layer runs through the model's image path "
+                         "(mxc.compiler.lower.cross_attention), not as self-attention")
+
+
+def check_entry(spec, report) -> None:
+    """Cross-attention layers and a tower whose entry is cross_attention come together."""
+    crosses = [name for name, block in spec.blocks.items() if isinstance(block.attention, CrossAttention)]
+    entry = spec.vision.entry if spec.vision is not None else None
+    if crosses and not isinstance(entry, CrossAttentionEntry):
+        report(("blocks", crosses[0], "attention"), "a cross_attention layer needs a vision tower whose "
+               "entry is cross_attention(...)", "its keys and values are the tower's projected tokens")
+    if isinstance(entry, CrossAttentionEntry) and not crosses:
+        report(("vision", "entry"), "entry = cross_attention(...) needs cross_attention layers in the text model",
+               "add a block whose attention = cross_attention(...) to the layer pattern")
+
+
+CROSS_ATTENTION = register(CrossAttentionKind())
