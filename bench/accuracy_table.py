@@ -22,8 +22,9 @@ Steps, each of ours a user's command in its own process:
 A configuration whose measurement fails is a row that says so, with the last line of its error.
 Each measurement is kept in WORK (accuracy-NAME.json, speed-NAME.json) as soon as it is taken:
 `--resume` reuses them; `--speed-only` measures every speed again and reads the stored accuracy
-(the form for a quiet machine after an accuracy run under load); `--write-docs` puts the table
-into docs/serving.md between its markers.
+(the form for a quiet machine after an accuracy run under load); `--table-only` measures nothing
+and prints the table of the stored rows; `--write-docs` puts the table into docs/serving.md
+between its markers.
 """
 
 from __future__ import annotations
@@ -191,12 +192,13 @@ def table(accuracy: dict, speed: dict, others: list[dict]) -> str:
         tps, ttft = speed_cells(other)
         engine = other.get("engine", "?") + (f" (not measured: {other['missing']})" if "missing" in other else "")
         lines.append(f"| {MODEL} | {device} | {engine} | – | – | {tps} | {ttft} |")
-    loads = sorted({tuple(r["load_average"]) for r in [*speed.values(), *others] if "load_average" in r})
-    if any(under_load(r) for r in [*speed.values(), *others]):
+    loaded = [r for r in [*speed.values(), *others] if under_load(r)]
+    if loaded:
+        loads = [load for r in loaded for load in r["load_average"]]
         lines.append("")
-        lines.append(f"\\* measured under load (1-minute load average above {LOADED} x the cores when it started; "
-                     f"the loads around the speed runs: {', '.join(f'{a:g} to {b:g}' for a, b in loads)}): "
-                     "not a measurement of the engine.")
+        lines.append(f"\\* measured under load: a 1-minute load average of {min(loads):g} to {max(loads):g} on "
+                     f"{os.cpu_count()} cores around the run (above {LOADED} x the cores at its start); not a "
+                     "measurement of the engine.")
     return "\n".join(lines)
 
 
@@ -217,6 +219,7 @@ def main() -> None:
     only.add_argument("--accuracy-only", action="store_true", help="measure the accuracy columns only")
     only.add_argument("--speed-only", action="store_true",
                       help="measure every speed again; the accuracy columns are the stored ones")
+    only.add_argument("--table-only", action="store_true", help="measure nothing: the table of the stored rows")
     parser.add_argument("--write-docs", action="store_true", help="put the table into docs/serving.md")
     parser.add_argument("--json", help="write every row and the machine's description here")
     args = parser.parse_args()
@@ -227,6 +230,17 @@ def main() -> None:
         run([MXC, "import-gguf", str(gguf_file()), "-o", str(model_dir), "--force"], env=cpu_env())
     configs = [c for c in args.configs.split(",") if c]
     started = time.perf_counter()
+    if args.table_only:
+        stored = {name: json.loads((work / f"{name}.json").read_text())
+                  for name in [f"{kind}-{c}" for kind in ("accuracy", "speed") for c in configs]
+                  + ["speed-transformers", "speed-llama.cpp"] if (work / f"{name}.json").is_file()}
+        text = table({c: stored[f"accuracy-{c}"] for c in configs if f"accuracy-{c}" in stored},
+                     {c: stored[f"speed-{c}"] for c in configs if f"speed-{c}" in stored},
+                     [stored[n] for n in ("speed-transformers", "speed-llama.cpp") if n in stored])
+        if args.write_docs:
+            write_docs(text)
+        print(text)
+        return
     accuracy = {}
     for config in configs:
         path = work / f"accuracy-{config}.json"
