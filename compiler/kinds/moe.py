@@ -67,10 +67,18 @@ def moe_defs(moe: MoE, d_model: int) -> dict:
     return defs
 
 
+# The dropless dispatch's buffers (_dispatch_intermediates), which a layer's backward pass holds
+# all at once (mxc.compiler.plan.memory.DISPATCH_WORKING_SET).
+DISPATCH_BUFFERS = frozenset({"sorted_assignments", "sent_rows", "received_rows", "grouped_rows", "expert_mlpwi",
+                              "expert_mlp_activation", "expert_mlp_hidden", "expert_outputs", "returned_rows",
+                              "combined_assignments"})
+
+
 def _routed_hidden(ffn: MoE, shape, axes, choice) -> list[Intermediate]:
-    """The routed experts' feed-forward on `shape` rows: their input projections are named
-    expert_mlpwi (jax's dots policy does not save them: mxc.compiler.plan.activations.DOTS)."""
-    return [Intermediate("expert_mlpwi" if item.name == "mlpwi" else item.name, item.shape, item.axes,
+    """The routed experts' feed-forward on `shape` rows, its names prefixed with expert_: their
+    input projections (expert_mlpwi) are no product jax's dots policy saves
+    (mxc.compiler.plan.activations.DOTS)."""
+    return [Intermediate(item.name if item.name == "mlpwo" else f"expert_{item.name}", item.shape, item.axes,
                          item.bytes_per_element)
             for item in kind_of(ffn.expert).hidden_intermediates(ffn.expert, shape, axes, choice)]
 
@@ -102,16 +110,20 @@ def dispatch_rows(ffn: MoE, choice) -> tuple[int, int]:
 
 
 def _dispatch_intermediates(ffn: MoE, choice) -> list[Intermediate]:
-    """One device's buffers on the dropless path: its sorted assignments, what it sends and
-    receives, the received rows grouped by expert through the experts' feed-forward, and back.
-    Shapes are already one device's (axes None), the hidden units split like the weights."""
+    """One device's buffers on the dropless path: its sorted assignments, what it receives, the
+    received rows grouped by expert through the experts' feed-forward, and back. Shapes are
+    already one device's (axes None), the hidden units split like the weights. On TPU the
+    exchange is a ragged all-to-all from and into the sorted rows; elsewhere it sends a slot per
+    destination as large as the sender's assignments, and receives the returns likewise."""
     d, act = choice.spec.d_model, choice.compute_bytes
     assignments, rows = dispatch_rows(ffn, choice)
     hidden = -(-ffn.expert.hidden // choice.split("mlp"))
     local = lambda name, n: Intermediate(name, (n, d), (None, None), act)  # noqa: E731
     out = [local("sorted_assignments", assignments)]
-    if rows > assignments:  # sent, received and returned buffers of the all-to-alls
-        out += [local("sent_rows", rows), local("received_rows", rows), local("returned_rows", rows)]
+    if rows > assignments:
+        ragged = choice.topology.platform == "tpu"
+        out += [local("received_rows", rows), local("returned_rows", assignments if ragged else rows)]
+        out += [] if ragged else [local("sent_rows", rows)]
     out += [local("grouped_rows", rows)]
     out += [item for item in _routed_hidden(ffn, (rows, hidden), (None, None), choice) if item.name != "mlpwo"]
     out += [local("expert_outputs", rows), local("combined_assignments", assignments)]

@@ -138,6 +138,57 @@ def layer_working_bytes(block_name: str, choice: Choice) -> int:
     return sum(intermediate_bytes(block_name, choice).values())
 
 
+def dispatch_bytes(block_name: str, choice: Choice) -> int:
+    """One layer's dropless expert-dispatch buffers (0 on the capacity path and without experts)."""
+    from mxc.compiler.kinds.moe import DISPATCH_BUFFERS
+
+    if choice.expert_path != "dropless":
+        return 0
+    return sum(size for name, size in intermediate_bytes(block_name, choice).items() if name in DISPATCH_BUFFERS)
+
+
 def attention_score_bytes(block_name: str, choice: Choice) -> int:
     """One layer's materialised attention probabilities (the XLA path; 0 under flash attention)."""
     return intermediate_bytes(block_name, choice).get("attention_probabilities", 0)
+
+
+class _EncoderView:
+    """A Choice as the vision encoder sees it: the microbatch's images as the batch, the patches
+    as the sequence, the tower's width as d_model, the xla attention path (the encoder never
+    runs splash); sharding and dtypes are the plan's."""
+
+    def __init__(self, choice: Choice, images: int):
+        tower = choice.spec.vision
+        self._choice = choice
+        self.microbatch, self.seq, self.attention = images, tower.num_patches, "xla"
+        self.spec = choice.spec.model_copy(update={"d_model": tower.d_model})
+
+    def __getattr__(self, name):
+        return getattr(self._choice, name)
+
+
+def vision_bytes(choice: Choice, images_per_row: int = 1) -> tuple[int, int]:
+    """(kept, working) device bytes of the vision encoder in one microbatch of `images_per_row`
+    images per sequence (the compiled batch's default, compiler.aot.image_slots): what its layers
+    keep for the backward pass under the plan's remat policy, all layers together, and what one
+    layer holds while it is differentiated (its intermediates at the dense layers' working share,
+    its float32 attention probabilities twice, as the text layers' xla path). 0, 0 without a tower."""
+    tower = choice.spec.vision
+    if tower is None or images_per_row == 0:
+        return 0, 0
+    view = _EncoderView(choice, choice.microbatch * images_per_row)
+    sizes: dict[str, int] = {}
+    for item in intermediates(tower.block, view):
+        sizes[item.name] = sizes.get(item.name, 0) + choice.local(item.shape, item.axes) * item.bytes_per_element
+    kept, _ = kept_names(choice.remat)
+    if "*" in kept:
+        per_layer = sum(size for name, size in sizes.items() if name not in NOT_KEPT_WITHOUT_REMAT)
+    else:
+        per_layer = sum(size for name, size in sizes.items() if name in kept and name not in NEVER_READ)
+    scores = sizes.get("attention_probabilities", 0)
+    return tower.layers * per_layer, int(VISION_WORKING_SHARE * sum(sizes.values()) + 2 * scores)
+
+
+# The share of one encoder layer's intermediates live in its backward, as for the text layers
+# (memory.LAYER_WORKING_SET, measured on them).
+VISION_WORKING_SHARE = 0.4
