@@ -52,10 +52,13 @@ class RunConfig:
     prompt_len: int = 1
     cache_len: int = 1
     functions: tuple[str, ...] | None = None  # a subset to compile; None: all of them
+    images_per_row: int | None = None  # image slots per batch row (a vision model); None: image_slots()
 
     def to_json(self) -> dict:
         data = {"seq": self.seq, "batch": self.batch, "optimizer": self.optimizer.model_dump(mode="json"),
                 "serve": self.serve}
+        if self.images_per_row is not None:
+            data["images_per_row"] = self.images_per_row
         if self.functions is not None:
             data["functions"] = list(self.functions)
         if self.serve:
@@ -99,13 +102,36 @@ def _register_kernels(plan: Plan) -> None:
         import mxc.compiler.lower.splash  # noqa: F401  (registers the kernel with attention_core)
 
 
-def abstract_batch(batch: int, seq: int) -> dict:
+def abstract_batch(batch: int, seq: int, images: tuple[int, int, int, int] | None = None) -> dict:
     """The train and eval steps' batch as ShapeDtypeStructs, each [batch, seq]: inputs, targets,
-    mask, and the packed documents' segment_ids and positions (runtime/data.py fills them)."""
+    mask, and the packed documents' segment_ids and positions (runtime/data.py fills them); with
+    `images` (slots, channels, height, width) also pixel_values [batch, slots, channels, height,
+    width] and image_mask [batch, slots]."""
     shape = (batch, seq)
-    return {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32), "targets": jax.ShapeDtypeStruct(shape, jnp.int32),
-            "mask": jax.ShapeDtypeStruct(shape, jnp.float32),
-            "segment_ids": jax.ShapeDtypeStruct(shape, jnp.int32), "positions": jax.ShapeDtypeStruct(shape, jnp.int32)}
+    out = {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32), "targets": jax.ShapeDtypeStruct(shape, jnp.int32),
+           "mask": jax.ShapeDtypeStruct(shape, jnp.float32),
+           "segment_ids": jax.ShapeDtypeStruct(shape, jnp.int32), "positions": jax.ShapeDtypeStruct(shape, jnp.int32)}
+    if images is not None:
+        out["pixel_values"] = jax.ShapeDtypeStruct((batch, *images), jnp.float32)
+        out["image_mask"] = jax.ShapeDtypeStruct((batch, images[0]), jnp.bool_)
+    return out
+
+
+def image_slots(spec: ModelSpec, images_per_row: int | None = None) -> tuple[int, int, int, int] | None:
+    """(slots, channels, height, width) of the batch's images: None for a model without a vision
+    tower (or zero slots); one slot per row unless told otherwise."""
+    if spec.vision is None or images_per_row == 0:
+        return None
+    tower = spec.vision
+    return (1 if images_per_row is None else images_per_row, tower.patches.channels, tower.image, tower.image)
+
+
+def batch_shardings(batch: dict, mesh: Mesh, rules) -> dict:
+    """Token arrays split as (batch, seq); image arrays along their rows only."""
+    tokens = named_sharding(("batch", "seq"), mesh, rules)
+    rows = {ndim: named_sharding(("batch",) + (None,) * (ndim - 1), mesh, rules) for ndim in (2, 5)}
+    return {key: tokens if key not in ("pixel_values", "image_mask") else rows[value.ndim]
+            for key, value in batch.items()}
 
 
 def abstract_schedule() -> dict:
@@ -114,18 +140,18 @@ def abstract_schedule() -> dict:
     return {"learning_rate": jax.ShapeDtypeStruct((), jnp.float32)}
 
 
-def train_step_function(spec: ModelSpec, plan: Plan, mesh: Mesh, optimizer: OptimizerConfig) -> Traceable:
+def train_step_function(spec: ModelSpec, plan: Plan, mesh: Mesh, optimizer: OptimizerConfig,
+                        images_per_row: int | None = None) -> Traceable:
     """The train step as compiled, (state, batch, schedule) -> (state, metrics): the one builder
     that `mxc compile` and the planner's verification (mxc.compiler.plan.verify) both use, so that
-    XLA judges the program compile writes."""
+    XLA judges the program compile writes. A vision model's batch carries images (image_slots)."""
     from mxc.compiler.lower.train import abstract_train_state, make_train_step, train_state_shardings
 
     _register_kernels(plan)
     rules = plan.rules_tuples()
     replicated = named_sharding((), mesh, rules)
-    tokens = named_sharding(("batch", "seq"), mesh, rules)
     state_shardings = train_state_shardings(spec, optimizer, mesh, rules)
-    batch = abstract_batch(plan.batch, plan.seq)
+    batch = abstract_batch(plan.batch, plan.seq, image_slots(spec, images_per_row))
     # The plan's expert path (dropless, capacity, megablox) is what XLA's verdict was about.
     step = make_train_step(spec, optimizer, microbatches=plan.microbatches, remat=plan.remat,
                            attention_impl=plan.attention, moe=plan.moe_config(), pipeline=plan.pipeline_layout())
@@ -136,7 +162,7 @@ def train_step_function(spec: ModelSpec, plan: Plan, mesh: Mesh, optimizer: Opti
 
     return Traceable("train_step", _traced_as_planned(plan, scheduled_step), ("state", "batch", "schedule"),
                      (abstract_train_state(spec, optimizer), batch, schedule),
-                     (state_shardings, {key: tokens for key in batch}, jax.tree.map(lambda _: replicated, schedule)),
+                     (state_shardings, batch_shardings(batch, mesh, rules), jax.tree.map(lambda _: replicated, schedule)),
                      lambda out: (state_shardings, jax.tree.map(lambda _: replicated, out[1])), donate=(0,))
 
 
@@ -146,7 +172,7 @@ def model_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig) -> 
 
     if (run.seq, run.batch) != (plan.seq, plan.batch):
         plan = plan.model_copy(update={"seq": run.seq, "batch": run.batch})
-    train_step = train_step_function(spec, plan, mesh, run.optimizer)
+    train_step = train_step_function(spec, plan, mesh, run.optimizer, run.images_per_row)
     abstract_state, batch, _ = train_step.args
     state_shardings, batch_shardings, _ = train_step.in_shardings
     replicated = named_sharding((), mesh, plan.rules_tuples())

@@ -24,6 +24,14 @@ Order. Each epoch visits every window once, in a permutation drawn from (seed, e
 stream's position is the number of windows consumed, so one integer (saved in the checkpoint)
 restores the order exactly, also under another batch size.
 
+Images. A token file with an image sidecar (image_file.py) feeds a model with a vision tower,
+whose compiled steps take `slots` images per row (BatchLayout.images). Its rows are cut so that an
+image's placeholder run lies whole in one row's inputs: a row ends before a run that would cross
+its end, or that would need more slots than the row has, and is padded (inputs the
+end-of-document id, mask 0, segment 0); the next row starts at that run. Row b's images fill its
+slots in order (pixel_values [batch, slots, C, H, W], image_mask [batch, slots]). Targets that are
+placeholders stay out of the loss: nothing can predict an image's soft tokens.
+
 Multi-host. The global batch is one jax.Array laid out as the train step expects; each process
 builds only the rows its own devices hold (`jax.make_array_from_callback` calls back for
 addressable shards only), reading them straight from the memory map.
@@ -36,11 +44,23 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from mxc.runtime.image_file import ImageFile, open_images
 from mxc.runtime.token_file import TokenFile
 
 
 class DataError(ValueError):
     """Data that cannot feed the program (too short, wrong vocabulary, another position)."""
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """The image slots of a vision model's batch: pixel_values [batch, slots, *image] and
+    image_mask [batch, slots], split along their rows."""
+
+    slots: int
+    image: tuple[int, int, int]  # channels, height, width
+    pixel_sharding: jax.sharding.Sharding
+    mask_sharding: jax.sharding.Sharding
 
 
 @dataclass(frozen=True)
@@ -51,6 +71,7 @@ class BatchLayout:
     seq: int
     sharding: jax.sharding.Sharding  # of each [batch, seq] array
     mask_dtype: np.dtype = np.dtype(np.float32)
+    images: ImageLayout | None = None  # a vision model's image slots
 
 
 # What a batch holds, each [batch, seq]; the compiled train and eval steps take all of them.
@@ -112,6 +133,86 @@ class PackedSequences:
                 "segment_ids": segment_ids, "positions": positions}
 
 
+def image_rows(length: int, offsets: np.ndarray, per_image: int, seq: int, slots: int) -> tuple[np.ndarray, ...]:
+    """(starts, lengths, first_image, images) of the rows of a stream of `length` tokens whose
+    images' placeholder runs start at `offsets`: row r's inputs are tokens [start, start + length)
+    (at most seq), its targets one further, and it holds images first_image .. + images, whole."""
+    starts, lengths, firsts, counts = [], [], [], []
+    start, image = 0, 0
+    while start + 1 < length:
+        end = min(start + seq, length - 1)
+        first = image
+        while image < len(offsets) and offsets[image] < end:
+            if offsets[image] + per_image > end or image - first == slots:
+                end = int(offsets[image])
+                break
+            image += 1
+        if end <= start:
+            why = f"an image's {per_image} tokens do not fit rows of {seq}" if per_image > seq \
+                else f"the program has {slots} image slots per row"
+            raise DataError(f"token {start} starts an image run that no row can hold: {why}")
+        starts.append(start), lengths.append(end - start), firsts.append(first), counts.append(image - first)
+        start = end
+    return tuple(np.asarray(values, np.int64) for values in (starts, lengths, firsts, counts))
+
+
+class ImagePackedSequences:
+    """The rows of a token file with images (the module's docstring, Images): BATCH_KEYS plus
+    pixel_values and image_mask, an image always in the same row as its placeholders."""
+
+    def __init__(self, tokens: TokenFile, images: ImageFile, seq: int, slots: int, *,
+                 vocab_size: int | None = None, doc_mask: bool = True):
+        PackedSequences(tokens, seq, vocab_size=vocab_size, doc_mask=doc_mask)  # its checks of the ids
+        self.tokens, self.images, self.seq, self.slots, self.doc_mask = tokens, images, seq, slots, doc_mask
+        self.starts, self.lengths, self.first_image, self.image_count = image_rows(
+            len(tokens), images.offsets, images.tokens_per_image, seq, slots)
+        self.count = len(self.starts)
+
+    def rows(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        indices = np.asarray(indices, np.int64)
+        starts, lengths = self.starts[indices], self.lengths[indices]
+        eod_id = self.tokens.eod_id
+        pad = 0 if eod_id is None else eod_id
+        offsets = starts[:, None] + np.arange(self.seq + 1)
+        real = np.arange(self.seq + 1)[None, :] <= lengths[:, None]
+        windows = np.where(real, np.asarray(self.tokens.tokens[np.minimum(offsets, len(self.tokens) - 1).ravel()],
+                                            np.int64).reshape(offsets.shape), pad)
+        in_row = np.arange(self.seq)[None, :] < lengths[:, None]
+        inputs, targets = np.where(in_row, windows[:, :-1], pad), windows[:, 1:]
+        mask = in_row & (targets != self.images.placeholder)
+        if eod_id is not None:
+            mask &= inputs != eod_id
+        if self.doc_mask and eod_id is not None:
+            segment_ids, positions = document_layout(inputs, eod_id)
+        else:
+            segment_ids = np.ones(inputs.shape, np.int32)
+            positions = np.broadcast_to(np.arange(self.seq, dtype=np.int32), inputs.shape).copy()
+        segment_ids, positions = np.where(in_row, segment_ids, 0), np.where(in_row, positions, 0)
+        pixels = np.zeros((len(indices), self.slots, *self.images.image_shape), np.float32)
+        image_mask = np.zeros((len(indices), self.slots), bool)
+        for r, (first, count) in enumerate(zip(self.first_image[indices], self.image_count[indices])):
+            pixels[r, :count] = self.images.pixels[first:first + count]
+            image_mask[r, :count] = True
+        return {"inputs": inputs.astype(np.int32), "targets": targets.astype(np.int32), "mask": mask,
+                "segment_ids": segment_ids.astype(np.int32), "positions": positions.astype(np.int32),
+                "pixel_values": pixels, "image_mask": image_mask}
+
+
+def packed_sequences(tokens: TokenFile, layout: BatchLayout, *, vocab_size: int | None = None,
+                     doc_mask: bool = True):
+    """The packer for the data and the program: images where both have them."""
+    images = open_images(tokens)
+    if images is None:
+        return PackedSequences(tokens, layout.seq, vocab_size=vocab_size, doc_mask=doc_mask)
+    if layout.images is None:
+        raise DataError(f"{tokens.path} carries {len(images)} images ({images.path}); the program takes none")
+    if images.image_shape != tuple(layout.images.image):
+        raise DataError(f"{images.path}: images of shape {list(images.image_shape)}; the program takes "
+                        f"{list(layout.images.image)}")
+    return ImagePackedSequences(tokens, images, layout.seq, layout.images.slots, vocab_size=vocab_size,
+                                doc_mask=doc_mask)
+
+
 class ShuffledOrder:
     """Window index of the g-th window consumed: a fresh permutation per epoch, from (seed, epoch)."""
 
@@ -159,10 +260,28 @@ def global_batch(sequences: PackedSequences, order, layout: BatchLayout, first: 
 
     dtypes = {"inputs": np.int32, "targets": np.int32, "mask": layout.mask_dtype,
               "segment_ids": np.int32, "positions": np.int32}
-    return {name: jax.make_array_from_callback(
-                shape, layout.sharding,
-                lambda index, name=name: rows_for(index)[name][:, index[1]].astype(dtypes[name]))
-            for name in BATCH_KEYS}
+    batch = {name: jax.make_array_from_callback(
+                 shape, layout.sharding,
+                 lambda index, name=name: rows_for(index)[name][:, index[1]].astype(dtypes[name]))
+             for name in BATCH_KEYS}
+    if layout.images is not None:
+        images = layout.images
+        shapes = {"pixel_values": ((images.slots, *images.image), np.float32, images.pixel_sharding),
+                  "image_mask": ((images.slots,), bool, images.mask_sharding)}
+
+        def image_rows_for(index, name):
+            rows = rows_for(index)
+            if name in rows:
+                values = rows[name]
+            else:  # a text-only file: every slot of every row empty
+                start, stop, _ = index[0].indices(layout.batch)
+                values = np.zeros((stop - start, *shapes[name][0]), shapes[name][1])
+            return values[(slice(None),) + tuple(index[1:])]
+
+        for name, (value_shape, _, sharding) in shapes.items():
+            batch[name] = jax.make_array_from_callback((layout.batch, *value_shape), sharding,
+                                                       lambda index, name=name: image_rows_for(index, name))
+    return batch
 
 
 class TrainData:
@@ -171,7 +290,7 @@ class TrainData:
     def __init__(self, tokens: TokenFile, layout: BatchLayout, *, seed: int, vocab_size: int | None = None,
                  doc_mask: bool = True):
         self.layout = layout
-        self.sequences = PackedSequences(tokens, layout.seq, vocab_size=vocab_size, doc_mask=doc_mask)
+        self.sequences = packed_sequences(tokens, layout, vocab_size=vocab_size, doc_mask=doc_mask)
         self.seed = seed
         _ = tokens.fingerprint  # computed now (for a .npy), before any step, not at the first save
         self.order = ShuffledOrder(self.sequences.count, seed)
@@ -214,7 +333,7 @@ class TrainData:
 def eval_batches(tokens: TokenFile, layout: BatchLayout, count: int, *, vocab_size: int | None = None,
                  doc_mask: bool = True):
     """The first `count` batches of a file in order (fewer if it is short): the same every time."""
-    sequences = PackedSequences(tokens, layout.seq, vocab_size=vocab_size, doc_mask=doc_mask)
+    sequences = packed_sequences(tokens, layout, vocab_size=vocab_size, doc_mask=doc_mask)
     count = max(1, min(count, sequences.count // layout.batch))
     order = SequentialOrder(sequences.count)
     for b in range(count):

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from mxc.runtime.artifact import ArtifactError
-from mxc.runtime.data import BATCH_KEYS, BatchLayout
+from mxc.runtime.data import BATCH_KEYS, BatchLayout, ImageLayout
 
 TRAIN_FUNCTION, EVAL_FUNCTION, INIT_FUNCTION = "train_step", "eval_step", "init"
 
@@ -61,7 +61,11 @@ def _batch_layout(function, argument: int) -> BatchLayout:
                             f"compile the artifact again with this mxc")
     leaf, sharding = found["inputs"]
     batch, seq = leaf.shape
-    return BatchLayout(batch, seq, sharding, np.dtype(found["mask"][0].dtype))
+    images = None
+    if "pixel_values" in found:  # a vision model's image slots: [batch, slots, channels, height, width]
+        pixels, pixel_sharding = found["pixel_values"]
+        images = ImageLayout(pixels.shape[1], tuple(pixels.shape[2:]), pixel_sharding, found["image_mask"][1])
+    return BatchLayout(batch, seq, sharding, np.dtype(found["mask"][0].dtype), images)
 
 
 def from_program(program) -> Trainable:

@@ -34,6 +34,11 @@ def register(subparsers) -> None:
     parser.add_argument("--total-steps", type=int, metavar="N",
                         help="the schedule's length these defaults describe (10000; mxc run decays over its --steps)")
     parser.add_argument("--weight-decay", type=float, metavar="W", help="AdamW weight decay (default 0.1)")
+    parser.add_argument("--freeze", action="append", default=[], metavar="GROUP",
+                        help="a parameter group the train step leaves as it is (e.g. vision): no gradient, "
+                             "no optimizer state; repeatable")
+    parser.add_argument("--images-per-row", type=int, metavar="N",
+                        help="image slots per batch row for a model with a vision tower (default 1)")
     parser.add_argument("--serve", action="store_true", help="also compile prefill and decode")
     parser.add_argument("--serve-batch", type=int, metavar="B",
                         help="sequences decoded together (default: one per device of the batch axes)")
@@ -150,9 +155,21 @@ def run_config(args, spec, plan, seq: int, batch: int):
         if serve_batch % _batch_divisor(plan):
             raise UserError(f"--serve-batch {serve_batch} does not split over the plan's batch axes; use a "
                             f"multiple of {_batch_divisor(plan)}")
-    return RunConfig(seq=seq, batch=batch, optimizer=optimizer_config(args), serve=args.serve,
+    if args.images_per_row is not None and (spec.vision is None or args.images_per_row < 0):
+        raise UserError(f"--images-per-row: {spec.name} has no vision tower" if spec.vision is None
+                        else "--images-per-row must be 0 or more")
+    optimizer = optimizer_config(args)
+    if args.freeze:
+        from mxc.compiler.lower.train import frozen_groups
+
+        try:
+            frozen_groups(spec, tuple(args.freeze))
+        except ValueError as err:
+            raise UserError(f"--freeze: {err}") from None
+        optimizer = optimizer.model_copy(update={"freeze": tuple(args.freeze)})
+    return RunConfig(seq=seq, batch=batch, optimizer=optimizer, serve=args.serve,
                      serve_batch=serve_batch, prompt_len=prompt_len, cache_len=cache_len,
-                     functions=_functions(args))
+                     functions=_functions(args), images_per_row=args.images_per_row)
 
 
 def optimizer_config(args):

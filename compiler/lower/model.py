@@ -105,14 +105,16 @@ def forward_with_aux(spec: ModelSpec, params: dict, tokens: jax.Array, **kwargs)
 def decoder_hidden(spec: ModelSpec, params: dict, tokens: jax.Array, *, positions: jax.Array | None = None,
                    segment_ids: jax.Array | None = None, cache: dict | None = None, remat_policy=None,
                    attention_impl: str = "xla", pixel_values: jax.Array | None = None,
-                   token_type_ids: jax.Array | None = None,
+                   token_type_ids: jax.Array | None = None, image_mask: jax.Array | None = None,
                    dtype=None, moe: MoEConfig = MoEConfig(), pipeline=None) -> tuple[jax.Array, dict | None, list]:
     """`forward_with_aux` up to the last layer's output x [batch, seq, embed], before the final
     norm: (x, new_cache, moe_stats). DeepSeek V3's multi-token prediction starts from it.
     pixel_values [images, channels, height, width] (a model with a vision tower): the encoded images
     replace the embeddings of the image placeholders in `tokens`, in order; token_type_ids
     [batch, seq] (1 for image tokens; default: the placeholders) marks the tokens that attend
-    bidirectionally within their image where the tower's entry asks for it."""
+    bidirectionally within their image where the tower's entry asks for it. A training batch's
+    pixel_values are [batch, slots, channels, height, width] with image_mask [batch, slots]: each
+    row's placeholders take that row's images (image_slots.py)."""
     dtype = jnp.dtype(dtype or spec.compute_dtype)
     batch, seq = tokens.shape
     start = 0 if cache is None else cache["index"]
@@ -124,9 +126,15 @@ def decoder_hidden(spec: ModelSpec, params: dict, tokens: jax.Array, *, position
     cache_positions = None
     if cache is not None:
         cache_positions = jax.lax.dynamic_update_slice(cache["positions"], positions, (0, start))
-    x = embed(spec, params, tokens, dtype)
     image_blocks = None
-    if pixel_values is not None:
+    if pixel_values is not None and pixel_values.ndim == 5:
+        from mxc.compiler.lower.image_slots import with_image_slots
+
+        x, image_blocks = with_image_slots(spec, params, tokens, lambda p: embed(spec, p, tokens, dtype),
+                                           pixel_values, image_mask, dtype, remat_policy)
+    else:
+        x = embed(spec, params, tokens, dtype)
+    if pixel_values is not None and pixel_values.ndim != 5:
         from mxc.compiler.lower import vision
 
         x, image_blocks = vision.with_images(spec, params, tokens, x, pixel_values, token_type_ids)

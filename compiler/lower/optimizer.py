@@ -35,6 +35,9 @@ class OptimizerConfig(BaseModel):
     eps: PositiveFloat = 1e-8
     weight_decay: NonNegativeFloat = 0.1
     clip_norm: PositiveFloat | None = 1.0  # global gradient norm; None: no clipping
+    # Top-level parameter groups left as they are (e.g. "vision"): no gradient, no optimizer
+    # state, no update (train.model_optimizer).
+    freeze: tuple[str, ...] = ()
 
     @model_validator(mode="after")
     def _warmup_fits(self):

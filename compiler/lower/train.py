@@ -8,6 +8,9 @@ sequences one longer than the model's input):
 and, for rows that pack several documents (runtime/data.py; the compiled steps take them):
     segment_ids  int32  each token's document, so that attention stays inside it
     positions    int32  each token's position in its document (RoPE's), restarting at 0
+and, for a model with a vision tower, a fixed number of image slots per row (image_slots.py):
+    pixel_values float32 [batch, slots, channels, height, width]
+    image_mask   bool    [batch, slots]: True where the slot holds an image
 
 A train step splits the batch into `microbatches` equal parts along the batch axis, accumulates
 gradients over them with lax.scan, and divides by the unmasked tokens of the whole batch, so
@@ -148,6 +151,8 @@ def model_loss_sums(spec: ModelSpec, *, remat: str = "none", attention_impl: str
     def sums_fn(params, batch: Batch) -> LossSums:
         hidden, _, moe_stats = decoder_hidden(spec, params, batch["inputs"], remat_policy=remat_lib.policy(remat),
                                               positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
+                                              pixel_values=batch.get("pixel_values"),
+                                              image_mask=batch.get("image_mask"),
                                               attention_impl=attention_impl, moe=moe, pipeline=pipeline)
         sums = loss_sums(logits_from_hidden(spec, params, hidden), batch["targets"], batch["mask"],
                          z_loss_weight=z_loss_weight)
@@ -162,11 +167,54 @@ def model_loss_sums(spec: ModelSpec, *, remat: str = "none", attention_impl: str
 
 
 def model_optimizer(spec: ModelSpec, config: OptimizerConfig) -> optax.GradientTransformation:
-    """The optimizer for `spec`'s parameters, its decay mask read off their logical axes."""
+    """The optimizer for `spec`'s parameters, its decay mask read off their logical axes. The
+    groups in config.freeze get no optimizer state and a zero update."""
     from mxc.compiler.lower.params import param_axes, param_shapes
 
     mask = weight_decay_mask(param_shapes(spec), param_axes(spec))
-    return make_optimizer(config, decay_mask=mask)
+    if not config.freeze:
+        return make_optimizer(config, decay_mask=mask)
+    frozen = frozen_groups(spec, config.freeze)
+    inner = make_optimizer(config, decay_mask=_trainable(mask, frozen))
+
+    def init(params):
+        return inner.init(_trainable(params, frozen))
+
+    def update(updates, state, params=None, **extra_args):
+        trained, state = inner.update(_trainable(updates, frozen), state,
+                                      None if params is None else _trainable(params, frozen), **extra_args)
+        return {**trained, **{name: jax.tree.map(jnp.zeros_like, updates[name]) for name in frozen}}, state
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def frozen_groups(spec: ModelSpec, freeze: tuple[str, ...]) -> tuple[str, ...]:
+    """The top-level parameter groups `freeze` names, checked against the model's."""
+    from mxc.compiler.lower.params import param_shapes
+
+    groups = tuple(param_shapes(spec))
+    unknown = [name for name in freeze if name not in groups]
+    if unknown:
+        raise ValueError(f"cannot freeze {', '.join(unknown)}: {spec.name}'s parameter groups are "
+                         f"{', '.join(groups)}")
+    return tuple(freeze)
+
+
+def _trainable(tree: dict, frozen: tuple[str, ...]) -> dict:
+    return {name: value for name, value in tree.items() if name not in frozen}
+
+
+def without_frozen_gradients(sums_fn: LossSumsFn, frozen: tuple[str, ...]) -> LossSumsFn:
+    """sums_fn with the frozen groups held constant: their gradients are zero and XLA drops their
+    backward pass (for a frozen vision tower, the whole encoder's)."""
+    if not frozen:
+        return sums_fn
+
+    def frozen_sums(params, batch):
+        return sums_fn({name: jax.lax.stop_gradient(value) if name in frozen else value
+                        for name, value in params.items()}, batch)
+
+    return frozen_sums
 
 
 def make_train_step(spec: ModelSpec, config: OptimizerConfig, *, microbatches: int = 1,
@@ -189,9 +237,10 @@ def make_train_step(spec: ModelSpec, config: OptimizerConfig, *, microbatches: i
                 params = update_mtp_correction_biases(spec, params, sums.expert_load[len(spec.layers)],
                                                       moe.bias_update_rate)
             return params
+    sums_fn = model_loss_sums(spec, remat=remat, attention_impl=attention_impl, z_loss_weight=z_loss_weight,
+                              moe=moe, pipeline=pipeline)
     return make_gradient_step(
-        model_loss_sums(spec, remat=remat, attention_impl=attention_impl, z_loss_weight=z_loss_weight, moe=moe,
-                        pipeline=pipeline),
+        without_frozen_gradients(sums_fn, frozen_groups(spec, config.freeze)),
         model_optimizer(spec, config), learning_rate_schedule(config),
         microbatches=1 if pipeline is not None else microbatches,
         after_update=after_update)

@@ -32,7 +32,7 @@ def patch_embeddings(tower, params: dict, pixel_values: jax.Array, dtype) -> jax
     return out.reshape(n, rows * cols, width).astype(dtype)
 
 
-def _encoder(tower, params: dict, x: jax.Array) -> jax.Array:
+def _encoder(tower, params: dict, x: jax.Array, remat_policy=None) -> jax.Array:
     n, patches, _ = x.shape
     positions = jnp.broadcast_to(jnp.arange(patches, dtype=jnp.int32), (n, patches))
     whole_image = jnp.zeros((n, patches), jnp.int32)  # one block: bidirectional over the image
@@ -41,6 +41,8 @@ def _encoder(tower, params: dict, x: jax.Array) -> jax.Array:
         x, _ = block_layer(tower.block, layer_params, x, positions, image_blocks=whole_image)
         return x, None
 
+    if remat_policy is not None:  # training: the text model's policy, as for its own layers
+        body = jax.checkpoint(body, policy=remat_policy, prevent_cse=False)
     x, _ = jax.lax.scan(body, x, params)
     return x
 
@@ -57,7 +59,7 @@ def _pooled_projection(spec: ModelSpec, projector: PooledProjector, params: dict
     return project(normed, {key: v for key, v in params.items() if key != "norm"}, "bte,ed->btd", x.dtype)
 
 
-def encode_images(spec: ModelSpec, params: dict, pixel_values: jax.Array, dtype) -> jax.Array:
+def encode_images(spec: ModelSpec, params: dict, pixel_values: jax.Array, dtype, remat_policy=None) -> jax.Array:
     """The soft tokens of each image: [images, tokens_per_image, d_model] in dtype."""
     tower, vp = spec.vision, params["vision"]
     if isinstance(tower.projector, PixelShuffleProjector):  # Llama 4: class token, 2D RoPE, pixel shuffle
@@ -67,7 +69,7 @@ def encode_images(spec: ModelSpec, params: dict, pixel_values: jax.Array, dtype)
     x = patch_embeddings(tower, vp["patches"], pixel_values, dtype)
     if isinstance(tower.positions, LearnedPositions):
         x = x + vp["positions"]["embedding"].astype(dtype)[None]
-    x = _encoder(tower, vp["layers"], x)
+    x = _encoder(tower, vp["layers"], x, remat_policy)
     if tower.final_norm is not None:
         x = apply_norm(tower.final_norm, vp["final_norm"], x)
     return _pooled_projection(spec, tower.projector, vp["projector"], x)

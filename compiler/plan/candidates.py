@@ -56,9 +56,11 @@ def remat_policies(topology: Topology) -> list[str]:
     return [name for name in names if topology.platform == "tpu" or not needs_host_memory(name)]
 
 
-def attention_for(topology: Topology, seq: int, context: int) -> str:
-    # Splash attention needs TPU, tiles of 128 and the whole sequence on each device.
-    if topology.platform == "tpu" and context == 1 and seq % 128 == 0:
+def attention_for(topology: Topology, seq: int, context: int, spec: ModelSpec | None = None) -> str:
+    # Splash attention needs TPU, tiles of 128 and the whole sequence on each device; a model
+    # whose images attend bidirectionally (Gemma 3) needs the xla path's image blocks.
+    images = spec is not None and spec.vision is not None and spec.vision.entry.bidirectional
+    if topology.platform == "tpu" and context == 1 and seq % 128 == 0 and not images:
         return "splash"
     return "xla"
 
@@ -112,7 +114,7 @@ def choices(spec: ModelSpec, params: Parameters, topology: Topology, seq: int, b
             continue
         rules = with_stage_rules(rules, mesh, params.tensors)
         base = Choice(spec, params, topology, mesh, dcn, rules, seq, batch, 1, policies[0],
-                      attention_for(topology, seq, mesh["context"]), tuple(notes))
+                      attention_for(topology, seq, mesh["context"], spec), tuple(notes))
         split = base.split("batch")
         layouts = [replace(base, expert_path=path, capacity_factor=factor) for path, factor in expert_settings(base)]
         if sequence_parallel_applies(mesh, seq, pinned_rules):

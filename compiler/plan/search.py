@@ -25,6 +25,9 @@ from mxc.spec.ir import ModelSpec
 # Without XLA's verdict, plans within this share of HBM come first: the prediction's error on the
 # plans XLA verified is within 10% (docs/plans.md).
 UNVERIFIED_SHARE = 0.9
+# A plan with a memory lever goes before the plans without only when it is estimated this many
+# times as fast as the fastest of them (Llama 3.1 405B on 2 x v6e-256: 7x).
+LEVER_GAIN = 1.25
 
 
 class PlanError(ValueError):
@@ -48,11 +51,15 @@ def plan(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, pins: Map
     hbm = topology.usable_hbm_bytes
     judged = verify and topology.platform != "gpu"
     margin = hbm if judged else UNVERIFIED_SHARE * hbm
-    # Memory levers (host offload, sequence parallelism) only where no plan without them fits:
-    # the memory model's error on them is not yet within what XLA verifies (docs/plans.md).
+    # Memory levers (host offload, sequence parallelism) only where no plan without them fits,
+    # or where they are estimated much faster than every plan without: the memory model's error
+    # on them is not yet within what XLA verifies (docs/plans.md), so XLA's verdict decides.
+    fitting = [s for s in scored if fits(s, hbm)]
+    plain = min((s.time.step_s for s in fitting if not uses_memory_lever(s) and s.memory.total <= margin),
+                default=math.inf)
     # MoE layers drop tokens (the capacity path) only where no dropless plan fits.
-    fitting = sorted((s for s in scored if fits(s, hbm)),
-                     key=lambda s: (s.memory.total > margin, on_capacity_path(s), uses_memory_lever(s), rank(s)))
+    fitting.sort(key=lambda s: (s.memory.total > margin, on_capacity_path(s),
+                                uses_memory_lever(s) and s.time.step_s * LEVER_GAIN > plain, rank(s)))
     say(f"{len(scored)} candidates, {len(fitting)} predicted to fit in {gib(hbm)}")
     if not fitting:
         return _no_fit(spec, params, topology, seq, batch, pins, scored)
@@ -102,7 +109,7 @@ def evaluate(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, mesh:
     if sequence_parallel:  # the residual stream's sequence split over tensor too
         rules["residual_seq"] = SEQUENCE_PARALLEL
     choice = Choice(spec, params, topology, sizes, dict(dcn or {}), rules, seq, batch, microbatches, remat,
-                    attention or attention_for(topology, seq, sizes["context"]), tuple(notes))
+                    attention or attention_for(topology, seq, sizes["context"], spec), tuple(notes))
     choice = replace(choice, **dict(zip(("expert_path", "capacity_factor"), experts or expert_settings(choice)[0])))
     item = score(choice)
     verdict = Verification(status="skipped", reason="not compiled")
