@@ -49,12 +49,12 @@ def tiny():
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()
              if k.startswith(("model.vision_model.", "model.multi_modal_projector."))}
     pixels = np.random.default_rng(0).standard_normal((1, 2, 4, 3, 16, 16)).astype(np.float32)
-    return model, state, params_from_state(vision_tensor_maps(TOWER), state), pixels
+    return model, state, params_from_state(vision_tensor_maps(TOWER, "model."), state), pixels
 
 
 def test_maps_cover_every_hf_tensor_and_round_trip(tiny):
     _, state, params, _ = tiny
-    maps = list(vision_tensor_maps(TOWER))
+    maps = list(vision_tensor_maps(TOWER, "model."))
     assert sorted(m.hf_name for m in maps) == sorted(state)
     for m in maps:
         np.testing.assert_array_equal(m.read(params), state[m.hf_name])

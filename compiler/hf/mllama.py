@@ -4,6 +4,12 @@ vision tower's and projector's parameters (layout in mxc.compiler.lower.vision_m
 transformers' module tree names the tower `model.vision_model.*` and the projector
 `model.multi_modal_projector.*`; save_pretrained files on the hub drop the leading `model.`.
 Every conversion is a transpose or a reshape, so reading and writing are exact inverses.
+
+The text model is Llama's under `language_model.` (hub files: `language_model.model.layers.N.*`,
+`language_model.lm_head.weight`); a cross-attention layer has `cross_attn.{q,k,v,o}_proj`,
+`cross_attn.{q,k}_norm`, `cross_attn_attn_gate` and `cross_attn_mlp_gate` where a Llama layer has
+`self_attn.*`. transformers' module tree (`model.language_model.*`, `model.vision_model.*`,
+`lm_head.weight`) is read too (canonical_names).
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ from typing import Iterator
 import numpy as np
 
 from mxc.compiler.hf.config_in import ConfigError, config_dtype, dense_spec_from_config, segments
-from mxc.compiler.hf.mapping import TensorMap, _heads_in, _heads_out, _same, _transpose
+from mxc.compiler.hf.mapping import (TensorMap, _heads_in, _heads_out, _same, _transpose, attention_maps, layer_entry,
+                                     norm_maps, top_level_maps)
+from mxc.compiler.lower.params import layer_slots
 from mxc.compiler.kinds.vision import num_positions
 from mxc.spec.ir import (MHA, MLP, Block, CrossAttention, CrossAttentionEntry, EncoderBlock, LayerNorm,
                          LearnedPositions, LinearProjector, ModelSpec, Patches, RMSNorm, Tiles, VisionTower)
@@ -70,6 +78,11 @@ def _scalar():
     return (lambda g: g.reshape(()), lambda g: g.reshape(1))
 
 
+def _gate(hf_name: str, path: tuple, layer: int) -> TensorMap:
+    # A stacked layer's scalar gate: a one-element slice of the stack, so that writing it lands in place.
+    return TensorMap(hf_name, path, slice(layer, layer + 1), _same, _same)
+
+
 def _patches(tower: VisionTower):
     # HF Conv2d [width, channel, row, column] <-> mxc [row, column, channel, width] (HWIO)
     return (lambda w: w.transpose(2, 3, 1, 0), lambda k: k.transpose(3, 2, 0, 1))
@@ -102,13 +115,13 @@ def _encoder(tower: VisionTower, hf: str, path: tuple, count: int, gated: bool) 
             yield TensorMap(layer + f"mlp.{fc}.weight", path + ("mlp", proj, "kernel"), i, _transpose, _transpose)
             yield TensorMap(layer + f"mlp.{fc}.bias", path + ("mlp", proj, "bias"), i, _same, _same)
         if gated:
-            yield TensorMap(layer + "gate_attn", path + ("attention_gate",), i, *_scalar())
-            yield TensorMap(layer + "gate_ffn", path + ("mlp_gate",), i, *_scalar())
+            yield _gate(layer + "gate_attn", path + ("attention_gate",), i)
+            yield _gate(layer + "gate_ffn", path + ("mlp_gate",), i)
 
 
-def vision_tensor_maps(tower: VisionTower, prefix: str = "model.") -> Iterator[TensorMap]:
-    """The tower's and projector's tensors (under params["vision"]); prefix "model." for
-    transformers' module tree, "" for save_pretrained files."""
+def vision_tensor_maps(tower: VisionTower, prefix: str = "") -> Iterator[TensorMap]:
+    """The tower's and projector's tensors (under params["vision"]); prefix "" for the hub's
+    files, "model." for transformers' module tree."""
     base, hf = ("vision",), prefix + "vision_model."
     yield TensorMap(hf + "patch_embedding.weight", base + ("patches", "kernel"), None, *_patches(tower))
     yield TensorMap(hf + "class_embedding", base + ("class_embedding",), None, _same, _same)
@@ -135,7 +148,10 @@ def params_from_state(maps, state: dict) -> dict:
     leaves: dict[tuple, dict] = {}
     for tensor_map in maps:
         value = tensor_map.to_mxc(np.asarray(state[tensor_map.hf_name]))
-        leaves.setdefault(tensor_map.path, {})[tensor_map.layer] = value
+        layer = tensor_map.layer
+        if isinstance(layer, slice):  # a one-element slice of a stack (the gates)
+            layer, value = layer.start, value[0]
+        leaves.setdefault(tensor_map.path, {})[layer] = value
     tree: dict = {}
     for path, by_layer in leaves.items():
         node = tree
@@ -169,3 +185,50 @@ def spec_from_config(cfg: dict, name: str, param_dtype: str | None = None) -> Mo
         "embedding": text.embedding.model_copy(update={"extra_rows": EXTRA_ROWS}),
         "blocks": {"dense": dense, "cross": cross}, "layers": tuple(segments(kinds)),
         "vision": tower_from_config(cfg)})
+
+
+def text_tensor_maps(spec: ModelSpec) -> Iterator[TensorMap]:
+    """The text model's tensors, hub spelling (`language_model.model.*`, `language_model.lm_head`)."""
+    for tensor_map in top_level_maps(spec):
+        yield _renamed(tensor_map, "language_model." + tensor_map.hf_name)
+    for slot in layer_slots(spec):
+        block = spec.blocks[slot.block]
+        entry = layer_entry(slot)
+        for tensor_map in norm_maps(entry, block, slot.block):
+            yield _renamed(tensor_map, "language_model." + tensor_map.hf_name)
+        att = block.attention
+        if isinstance(att, CrossAttention):
+            for tensor_map in attention_maps(entry, att, slot.block):
+                yield _renamed(tensor_map, "language_model." + tensor_map.hf_name.replace(".self_attn.", ".cross_attn."))
+            for hf_name, name in (("cross_attn_attn_gate", "attention_gate"), ("cross_attn_mlp_gate", "mlp_gate")):
+                yield _gate(f"language_model.{entry.hf_prefix}{hf_name}", entry.base + ("attention", name), slot.repeat)
+        else:
+            for tensor_map in attention_maps(entry, att, slot.block):
+                yield _renamed(tensor_map, "language_model." + tensor_map.hf_name)
+        for proj in ("gate", "up", "down"):
+            tensor_map = entry(f"mlp.{proj}_proj.weight", ("mlp", proj, "kernel"), (_transpose, _transpose))
+            yield _renamed(tensor_map, "language_model." + tensor_map.hf_name)
+
+
+def _renamed(tensor_map: TensorMap, name: str) -> TensorMap:
+    import dataclasses
+
+    return dataclasses.replace(tensor_map, hf_name=name)
+
+
+def tensor_maps(spec: ModelSpec) -> Iterator[TensorMap]:
+    yield from text_tensor_maps(spec)
+    yield from vision_tensor_maps(spec.vision)
+
+
+def canonical_names(names) -> dict[str, str]:
+    """transformers' module-tree names -> the hub's, for the names spelt that way."""
+    out = {}
+    for name in names:
+        if name.startswith("model.language_model."):
+            out[name] = "language_model.model." + name[len("model.language_model."):]
+        elif name == "lm_head.weight":
+            out[name] = "language_model.lm_head.weight"
+        elif name.startswith(("model.vision_model.", "model.multi_modal_projector.")):
+            out[name] = name[len("model."):]
+    return out

@@ -14,7 +14,7 @@ from mxc.compiler.kinds import kind_of
 from mxc.compiler.lower.moe import MoEConfig, MoEStats
 from mxc.compiler.lower.norms import apply_norm
 from mxc.compiler.lower.sharding import RESIDUAL_AXES, constrain
-from mxc.spec.ir import Block
+from mxc.spec.ir import Block, CrossAttention
 
 def _shared_input(h: jax.Array) -> jax.Array:
     """The normalised input, computed once for all the projections that read it. Without the
@@ -32,6 +32,16 @@ def block_layer_with_stats(block: Block, params: dict, x: jax.Array, positions: 
     """(x after the layer, its updated cache slice, its MoEStats or None for a dense feed-forward).
     segment_ids [batch, seq]: the documents of a packed training sequence (attention stays inside each).
     image_blocks [batch, seq]: each token's image, -1 for text (attention is bidirectional inside one)."""
+    if hasattr(image_blocks, "sees_image"):
+        # Llama 3.2 Vision: image_blocks carries the images (cross_attention.CrossImages) for the
+        # image layers; its self-attention layers see the text only.
+        from mxc.compiler.lower.cross_attention import cross_block_layer
+
+        if isinstance(block.attention, CrossAttention):
+            return cross_block_layer(block, params, x, image_blocks), cache, None
+        image_blocks = None
+    elif isinstance(block.attention, CrossAttention):
+        return x, cache, None  # no image: transformers skips the layer
     # Named so a remat policy can offload the layer's input (MaxText's main memory lever).
     x = checkpoint_name(x, "decoder_layer_input")
     h = _shared_input(apply_norm(block.norm, params["attention_norm"], x))

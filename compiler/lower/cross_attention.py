@@ -1,0 +1,118 @@
+"""Llama 3.2 Vision's image path: the tower's projected tiles become the keys and values of the
+text model's cross_attention layers.
+
+    cross_images(spec, params, pixel_values, aspect_ratio_ids, aspect_ratio_mask, cross_attention_mask, dtype)
+        -> CrossImages
+    forward(spec, params, tokens, *, images=None, cache=None, dtype=None) -> (logits, new_cache)
+
+Inputs are as transformers' MllamaProcessor makes them: pixel_values [batch, images, tiles,
+channels, tile, tile], aspect_ratio_ids [batch, images], aspect_ratio_mask [batch, images, tiles],
+cross_attention_mask [batch, seq, images, tiles] (1 where a text token may see a tile).
+
+As transformers applies the mask (`_prepare_cross_attention_mask`): a token sees the tokens of
+the tiles its mask row allows; a row that allows none (text before the first image) sees every
+image token instead, and its feed-forward output is dropped, so only the gated attention output
+joins its residual. Without images every cross_attention layer is skipped, as transformers skips
+them. Decoding reuses the last prompt row's mask for every new token (transformers'
+`_update_model_kwargs_for_generation`); the image features stay in CrossImages and the keys and
+values are projected again at each step (no cache entry).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from mxc.compiler.kinds.vision import num_positions
+from mxc.compiler.kinds import kind_of
+from mxc.compiler.lower.norms import apply_norm
+from mxc.compiler.lower.projection import project
+from mxc.compiler.lower.sharding import RESIDUAL_AXES, constrain
+from mxc.compiler.lower.vision_mllama import encode_tiles, project_tiles
+from mxc.spec.ir import Block, ModelSpec
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CrossImages:
+    states: jax.Array  # [batch, image tokens, d_model]: the projected tiles of a row's images, in order
+    visible: jax.Array  # [batch, seq, image tokens] bool: which image tokens each text token sees
+    sees_image: jax.Array  # [batch, seq] bool: the mask row allows some tile
+
+    def last_row(self) -> "CrossImages":
+        """The mask for tokens decoded after the prompt: its last row, as transformers extends it."""
+        return CrossImages(self.states, self.visible[:, -1:], self.sees_image[:, -1:])
+
+
+def cross_images(spec: ModelSpec, params: dict, pixel_values, aspect_ratio_ids, aspect_ratio_mask,
+                 cross_attention_mask, dtype) -> CrossImages:
+    tower = spec.vision
+    batch, images, tiles = pixel_values.shape[:3]
+    vp = params["vision"]
+    features = encode_tiles(tower, vp, pixel_values.reshape(batch * images, *pixel_values.shape[2:]),
+                            aspect_ratio_ids.reshape(-1), aspect_ratio_mask.reshape(batch * images, tiles), dtype)
+    states = project_tiles(vp, features, dtype).reshape(batch, images * tiles * num_positions(tower), -1)
+    allowed = jnp.repeat(cross_attention_mask.astype(bool), num_positions(tower), axis=3)
+    allowed = allowed.reshape(*cross_attention_mask.shape[:2], -1)
+    sees_image = allowed.any(axis=-1)
+    return CrossImages(states, allowed | ~sees_image[..., None], sees_image)
+
+
+def cross_block_layer(block: Block, params: dict, x: jax.Array, images: CrossImages | None) -> jax.Array:
+    """One cross_attention layer (transformers' MllamaCrossAttentionDecoderLayer)."""
+    if images is None:
+        return x
+    att, dtype = block.attention, x.dtype
+    ap = params["attention"]
+    h = apply_norm(block.norm, params["attention_norm"], x)
+    q = project(h, ap["q"], "bse,ehd->bshd", dtype)
+    k = project(images.states.astype(dtype), ap["k"], "bte,ehd->bthd", dtype)
+    v = project(images.states.astype(dtype), ap["v"], "bte,ehd->bthd", dtype)
+    if att.qk_norm is not None:
+        q, k = apply_norm(att.qk_norm, ap["q_norm"], q), apply_norm(att.qk_norm, ap["k_norm"], k)
+    batch, seq, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    # An arbitrary text-by-image-token mask, which attend's position-based masks cannot state.
+    q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32) * head_dim ** -0.5
+    scores = jnp.where(images.visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    context = jnp.einsum("bkgst,btkd->bskgd", probs, v, preferred_element_type=jnp.float32)
+    context = context.reshape(batch, seq, heads, head_dim).astype(dtype)
+    out = project(context, ap["o"], "bshd,hde->bse", dtype)
+    if att.gated:
+        out = jnp.tanh(ap["attention_gate"].astype(jnp.float32)).astype(dtype) * out
+    x = constrain(x + out, RESIDUAL_AXES)
+    h, _ = kind_of(block.mlp).apply(block.mlp, params["mlp"], apply_norm(block.norm, params["mlp_norm"], x), None)
+    h = h * images.sees_image[..., None].astype(dtype)
+    if att.gated:
+        h = jnp.tanh(ap["mlp_gate"].astype(jnp.float32)).astype(dtype) * h
+    return constrain(x + h, RESIDUAL_AXES)
+
+
+def forward(spec: ModelSpec, params: dict, tokens: jax.Array, *, images: CrossImages | None = None,
+            cache: dict | None = None, dtype=None) -> tuple[jax.Array, dict | None]:
+    """Float32 logits [batch, seq, vocab] and the new cache (model.forward's, for a model with
+    cross_attention layers); `images` reach the cross layers through run_segment's image slot."""
+    from mxc.compiler.lower.model import embed, logits_from_hidden, run_segment
+
+    dtype = jnp.dtype(dtype or spec.compute_dtype)
+    batch, seq = tokens.shape
+    start = 0 if cache is None else cache["index"]
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None, :] + start, (batch, seq))
+    cache_positions = None
+    if cache is not None:
+        cache_positions = jax.lax.dynamic_update_slice(cache["positions"], positions, (0, start))
+    x = embed(spec, params, tokens, dtype)
+    new_segments = []
+    for s, segment in enumerate(spec.layers):
+        x, seg_cache, _ = run_segment(spec, segment, params["segments"][s], x, positions,
+                                      cache=None if cache is None else cache["segments"][s],
+                                      cache_index=start, cache_positions=cache_positions, image_blocks=images)
+        new_segments.append(seg_cache)
+    logits = logits_from_hidden(spec, params, x)
+    if cache is None:
+        return logits, None
+    return logits, {"index": start + seq, "positions": cache_positions, "segments": new_segments}

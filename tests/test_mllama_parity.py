@@ -1,0 +1,112 @@
+"""A tiny random Llama 3.2 Vision (MllamaForConditionalGeneration) against transformers: float32
+logits with one and two images, and greedy decoding of 8 tokens."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from test_mllama_vision import TEXT, VISION, _hf_model  # noqa: E402
+
+from mxc.compiler.hf.mllama import canonical_names, spec_from_config, tensor_maps  # noqa: E402
+from mxc.compiler.lower import cross_attention  # noqa: E402
+from mxc.compiler.lower.decode import init_cache  # noqa: E402
+from mxc.compiler.lower.param_def import is_def  # noqa: E402
+from mxc.compiler.lower.params import param_defs  # noqa: E402
+
+pytestmark = pytest.mark.slow  # about 150 s under load
+
+IMAGE = 127  # the image token; the text model's table has 8 rows past the 128-token vocabulary
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = _hf_model(seed=1)
+    spec = spec_from_config(model.config.to_dict(), "tiny", "float32")
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    names = canonical_names(state)
+    state = {names.get(k, k): v for k, v in state.items()}
+    params = jax.tree.map(lambda d: np.zeros(d.shape, np.float32), param_defs(spec), is_leaf=is_def)
+    maps = list(tensor_maps(spec))
+    assert sorted(m.hf_name for m in maps) == sorted(state)
+    for tensor_map in maps:
+        tensor_map.write(params, state[tensor_map.hf_name])
+    for tensor_map in maps:
+        np.testing.assert_array_equal(tensor_map.read(params), state[tensor_map.hf_name])
+    return model, spec, jax.tree.map(jnp.asarray, params)
+
+
+def _inputs(images: int):
+    """A prompt of 20 tokens: text, an image token, text (a second image token at 10), as the
+    processor writes them, with the mask each token's row gets (transformers' convention: a token
+    sees the images from its own image token on; the tiles an image has)."""
+    rng = np.random.default_rng(images)
+    tokens = rng.integers(3, 120, (1, 20))
+    starts = [4, 10][:images]
+    tokens[0, starts] = IMAGE
+    pixels = rng.standard_normal((1, images, 4, 3, 16, 16)).astype(np.float32)
+    ids = np.array([[6, 2][:images]])
+    tile_mask = np.array([[[1, 1, 1, 1], [1, 1, 0, 0]][:images]])
+    cross = np.zeros((1, 20, images, 4), np.int64)
+    for i, start in enumerate(starts):
+        cross[0, start:, i] = tile_mask[0, i]
+    return tokens, pixels, ids, tile_mask, cross
+
+
+def _hf_inputs(tokens, pixels, ids, tile_mask, cross):
+    return dict(input_ids=torch.from_numpy(tokens), pixel_values=torch.from_numpy(pixels),
+                aspect_ratio_ids=torch.from_numpy(ids), aspect_ratio_mask=torch.from_numpy(tile_mask),
+                cross_attention_mask=torch.from_numpy(cross))
+
+
+def _images(spec, params, pixels, ids, tile_mask, cross):
+    return cross_attention.cross_images(spec, params, jnp.asarray(pixels), jnp.asarray(ids), jnp.asarray(tile_mask),
+                                        jnp.asarray(cross), jnp.float32)
+
+
+@pytest.mark.parametrize("images", [1, 2])
+def test_logits_match_transformers(tiny, images):
+    model, spec, params = tiny
+    tokens, *rest = _inputs(images)
+    with torch.no_grad():
+        ref = model(**_hf_inputs(tokens, *rest)).logits.numpy()
+    logits, _ = cross_attention.forward(spec, params, jnp.asarray(tokens), images=_images(spec, params, *rest),
+                                        dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(logits), ref, atol=1e-4, rtol=0)
+
+
+def test_text_only_skips_the_image_layers(tiny):
+    model, spec, params = tiny
+    tokens = np.random.default_rng(5).integers(3, 120, (1, 12))
+    with torch.no_grad():
+        ref = model(input_ids=torch.from_numpy(tokens)).logits.numpy()
+    logits, _ = cross_attention.forward(spec, params, jnp.asarray(tokens), dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(logits), ref, atol=1e-4, rtol=0)
+
+
+def _greedy(spec, params, tokens, images: cross_attention.CrossImages, steps: int) -> list[int]:
+    cache = init_cache(spec, 1, tokens.shape[1] + steps, jnp.float32)
+    logits, cache = cross_attention.forward(spec, params, jnp.asarray(tokens), images=images, cache=cache,
+                                            dtype=jnp.float32)
+    out = [int(jnp.argmax(logits[0, -1]))]
+    step_images = images.last_row()
+    for _ in range(steps - 1):
+        logits, cache = cross_attention.forward(spec, params, jnp.asarray([[out[-1]]]), images=step_images,
+                                                cache=cache, dtype=jnp.float32)
+        out.append(int(jnp.argmax(logits[0, -1])))
+    return out
+
+
+@pytest.mark.parametrize("images", [1, 2])
+def test_greedy_decode_matches_transformers(tiny, images):
+    model, spec, params = tiny
+    tokens, *rest = _inputs(images)
+    with torch.no_grad():
+        ref = model.generate(**_hf_inputs(tokens, *rest), max_new_tokens=8, do_sample=False)
+    ours = _greedy(spec, params, tokens, _images(spec, params, *rest), 8)
+    assert ours == ref[0, tokens.shape[1]:].tolist()
