@@ -110,3 +110,20 @@ def test_greedy_decode_matches_transformers(tiny, images):
         ref = model.generate(**_hf_inputs(tokens, *rest), max_new_tokens=8, do_sample=False)
     ours = _greedy(spec, params, tokens, _images(spec, params, *rest), 8)
     assert ours == ref[0, tokens.shape[1]:].tolist()
+
+
+def test_import_and_export_are_bit_for_bit(tiny, tmp_path):
+    from mxc.compiler.hf.convert import export_hf, import_hf
+    from mxc.compiler.hf.model_dir import load_spec_and_params
+
+    model, spec, params = tiny
+    model.save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "mxc")
+    imported_spec, imported = load_spec_and_params(str(tmp_path / "mxc"))
+    assert imported_spec.model_copy(update={"name": "tiny"}) == spec
+    for ours, theirs in zip(jax.tree.leaves(imported), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    export_hf(imported_spec, imported, tmp_path / "back", tmp_path / "mxc")
+    assert (tmp_path / "back" / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "back")
+    assert type(config).__name__ == "MllamaConfig" and config.text_config.cross_attention_layers == [1, 3]

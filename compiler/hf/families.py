@@ -17,7 +17,7 @@ from mxc.spec.ir import ModelSpec
 # Asked in this order: the first whose `describes` accepts a spec converts it.
 FAMILY_MODULES = ("mxc.compiler.hf.llama4", "mxc.compiler.hf.llama4_vision", "mxc.compiler.hf.gpt_oss",
                   "mxc.compiler.hf.mixtral", "mxc.compiler.hf.deepseek", "mxc.compiler.hf.phi3",
-                  "mxc.compiler.hf.gemma3_vision")
+                  "mxc.compiler.hf.gemma3_vision", "mxc.compiler.hf.mllama")
 
 
 @dataclass(frozen=True)

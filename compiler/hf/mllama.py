@@ -19,12 +19,13 @@ from typing import Iterator
 import numpy as np
 
 from mxc.compiler.hf.config_in import ConfigError, config_dtype, dense_spec_from_config, segments
-from mxc.compiler.hf.mapping import (TensorMap, _heads_in, _heads_out, _same, _transpose, attention_maps, layer_entry,
+from mxc.compiler.hf.families import FamilyConverter
+from mxc.compiler.hf.mapping import (LayoutError, TensorMap, _heads_in, _heads_out, _same, _transpose, attention_maps, layer_entry,
                                      norm_maps, top_level_maps)
 from mxc.compiler.lower.params import layer_slots
 from mxc.compiler.kinds.vision import num_positions
 from mxc.spec.ir import (MHA, MLP, Block, CrossAttention, CrossAttentionEntry, EncoderBlock, LayerNorm,
-                         LearnedPositions, LinearProjector, ModelSpec, Patches, RMSNorm, Tiles, VisionTower)
+                         LearnedPositions, LinearProjector, ModelSpec, Patches, RMSNorm, Segment, Tiles, VisionTower)
 
 ARCHITECTURES = {"mllama": "MllamaForConditionalGeneration"}
 EXTRA_ROWS = 8  # MllamaTextModel's embed_tokens has vocab_size + 8 rows
@@ -232,3 +233,56 @@ def canonical_names(names) -> dict[str, str]:
         elif name.startswith(("model.vision_model.", "model.multi_modal_projector.")):
             out[name] = name[len("model."):]
     return out
+
+
+def describes(spec: ModelSpec) -> bool:
+    return spec.vision is not None and isinstance(spec.vision.entry, CrossAttentionEntry)
+
+
+def config_from_spec(spec: ModelSpec) -> dict:
+    """The spec -> an MllamaConfig dict (for export); what MllamaConfig cannot say is a LayoutError."""
+    from mxc.compiler.hf.config_out import config_from_spec as dense_config
+
+    kinds = spec.layer_kinds
+    names = sorted(set(kinds), key=kinds.index)
+    selfs = [n for n in names if not isinstance(spec.blocks[n].attention, CrossAttention)]
+    if len(selfs) != 1:
+        raise LayoutError("Llama 3.2 Vision's text model has one self-attention layer kind beside its "
+                          f"cross-attention layers; this spec has {len(selfs)}")
+    text_spec = spec.model_copy(update={
+        "vision": None, "embedding": spec.embedding.model_copy(update={"extra_rows": 0}),
+        "blocks": {"block": spec.blocks[selfs[0]]}, "layers": (Segment(period=("block",), repeat=len(kinds)),)})
+    text = dense_config(text_spec)
+    text.pop("architectures", None)
+    text.update(model_type="mllama_text_model",
+                cross_attention_layers=[i for i, k in enumerate(kinds) if k not in selfs])
+    tower = spec.vision
+    att = tower.block.attention
+    vision = {"model_type": "mllama_vision_model", "image_size": tower.image, "patch_size": tower.patches.size,
+              "num_channels": tower.patches.channels, "hidden_size": tower.d_model, "attention_heads": att.heads,
+              "intermediate_size": tower.block.mlp.hidden, "num_hidden_layers": tower.layers,
+              "num_global_layers": tower.global_layers, "norm_eps": tower.block.norm.eps, "hidden_act": "gelu",
+              "max_num_tiles": tower.tiles.max, "intermediate_layers_indices": list(tower.intermediate),
+              "vision_output_dim": tower.d_model * (1 + len(tower.intermediate)),
+              "supported_aspect_ratios": _aspect_ratios(tower.tiles)}
+    cfg = {"architectures": [ARCHITECTURES["mllama"]], "model_type": "mllama", "dtype": spec.param_dtype,
+           "image_token_index": tower.entry.token, "text_config": text, "vision_config": vision}
+    back = spec_from_config(cfg, spec.name, spec.param_dtype)
+    if back.model_copy(update={"compute_dtype": spec.compute_dtype}) != spec:
+        raise LayoutError("this model is not one transformers' MllamaForConditionalGeneration builds (its "
+                          "norms, biases, gates, extra embedding rows and tower are fixed there)")
+    return cfg
+
+
+def _aspect_ratios(tiles: Tiles) -> list[list[int]]:
+    """MllamaImageProcessor's arrangements of up to `max` tiles (rows x columns), in its order."""
+    ratios = [[w, h] for w in range(1, tiles.max + 1) for h in range(1, tiles.max + 1) if w * h <= tiles.max]
+    if len(ratios) != tiles.aspect_ratios:
+        raise LayoutError(f"{tiles.aspect_ratios} aspect ratios are not the {len(ratios)} arrangements of up to "
+                          f"{tiles.max} tiles that transformers lists")
+    return ratios
+
+
+CONVERTER = FamilyConverter(model_types=("mllama",), architectures=ARCHITECTURES, spec_from_config=spec_from_config,
+                            config_from_spec=config_from_spec, describes=describes, tensor_maps=tensor_maps,
+                            canonical_names=canonical_names)
