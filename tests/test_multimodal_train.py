@@ -166,6 +166,7 @@ def _reference_loss(spec, params, rows) -> float:
     return total / count
 
 
+@pytest.mark.slow  # jit of the tiny train step: 1-2 min on this loaded 2-core host
 def test_the_steps_loss_equals_the_forward_pass_document_by_document(tmp_path, spec):
     from mxc.compiler.lower.optimizer import OptimizerConfig
     from mxc.compiler.lower.train import init_train_state, make_train_step
@@ -182,6 +183,7 @@ def test_the_steps_loss_equals_the_forward_pass_document_by_document(tmp_path, s
     assert float(metrics["loss"]) == pytest.approx(_reference_loss(spec, state.params, rows), abs=1e-5)
 
 
+@pytest.mark.slow  # jit of the tiny train step: 1-2 min on this loaded 2-core host
 def test_freezing_the_tower_leaves_it_and_its_optimizer_state_alone(tmp_path, spec):
     from mxc.compiler.lower.optimizer import OptimizerConfig
     from mxc.compiler.lower.train import init_train_state, make_train_step
@@ -205,7 +207,7 @@ def test_freezing_the_tower_leaves_it_and_its_optimizer_state_alone(tmp_path, sp
         make_train_step(spec, config.model_copy(update={"freeze": ("towers",)}))
 
 
-# ------------------------------------------------------------------ slow: cpu-8 and v5p-256
+# ------------------------------------------------------------------ cpu-8 and v5p-256
 
 @pytest.mark.slow
 def test_a_tiny_multimodal_gemma3_trains_on_cpu8_and_resumes_bitwise(tmp_path):
