@@ -127,3 +127,41 @@ def test_import_and_export_are_bit_for_bit(tiny, tmp_path):
     assert (tmp_path / "back" / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
     config = transformers.AutoConfig.from_pretrained(tmp_path / "back")
     assert type(config).__name__ == "MllamaConfig" and config.text_config.cross_attention_layers == [1, 3]
+
+
+def test_forward_and_generate_cli_take_the_processor_inputs(tiny, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from mxc.compiler.hf.convert import import_hf
+
+    model, _, _ = tiny
+    model.save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "mxc")
+    tokens, pixels, ids, tile_mask, cross = _inputs(2)
+    np.save(tmp_path / "t.npy", tokens)
+    inputs = dict(pixel_values=pixels, aspect_ratio_ids=ids, aspect_ratio_mask=tile_mask, cross_attention_mask=cross)
+    np.savez(tmp_path / "in.npz", **inputs)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+    def mxc(*args):
+        return subprocess.run([sys.executable, "-m", "mxc.compiler.cli", *args], capture_output=True, text=True, env=env)
+
+    run = mxc("forward", str(tmp_path / "mxc"), "--tokens", str(tmp_path / "t.npy"), "--images",
+              str(tmp_path / "in.npz"), "-o", str(tmp_path / "l.npy"))
+    assert run.returncode == 0, run.stderr
+    with torch.no_grad():
+        hf = _hf_inputs(tokens, pixels, ids, tile_mask, cross)
+        ref = model(**hf).logits.numpy()
+        ref_tokens = model.generate(**hf, max_new_tokens=8, do_sample=False)[0, tokens.shape[1]:].tolist()
+    np.testing.assert_allclose(np.load(tmp_path / "l.npy"), ref, atol=1e-4, rtol=0)
+    run = mxc("generate", str(tmp_path / "mxc"), "--prompt-tokens", str(tmp_path / "t.npy"), "--images",
+              str(tmp_path / "in.npz"), "--max-new", "8", "-o", str(tmp_path / "g.npy"))
+    assert run.returncode == 0, run.stderr
+    generated = np.load(tmp_path / "g.npy")
+    assert generated.reshape(-1)[-8:].tolist() == ref_tokens
+    np.savez(tmp_path / "bad.npz", **{k: v for k, v in inputs.items() if k != "aspect_ratio_ids"})
+    bad = mxc("forward", str(tmp_path / "mxc"), "--tokens", str(tmp_path / "t.npy"), "--images",
+              str(tmp_path / "bad.npz"), "-o", str(tmp_path / "l.npy"))
+    assert bad.returncode != 0 and "missing aspect_ratio_ids" in bad.stderr and "Traceback" not in bad.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from mxc.compiler.commands import UserError
-from mxc.compiler.commands.images import add_images_argument, read_images
+from mxc.compiler.commands.images import add_images_argument, image_files, read_images
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -63,8 +63,13 @@ def handler(args: argparse.Namespace) -> int:
 
     spec, params = load(args)
     tokens = read_tokens(args.tokens, spec.vocab, "--tokens")
-    images = read_images(args.images, spec, tokens)
-    run = jax.jit(lambda p, t, images: forward(spec, p, t, dtype=args.dtype, **images)[0])
+    images = read_images(args.images, spec, tokens, image_files(args.image, spec))
+    if "cross_attention_mask" in images:  # Llama 3.2 Vision's image layers
+        from mxc.compiler.lower.cross_attention import forward_with_inputs
+
+        run = jax.jit(lambda p, t, images: forward_with_inputs(spec, p, t, dtype=args.dtype, **images))
+    else:
+        run = jax.jit(lambda p, t, images: forward(spec, p, t, dtype=args.dtype, **images)[0])
     logits = np.asarray(run(params, tokens.astype(np.int32), images), dtype=np.float32)
     np.save(args.output, logits)
     return 0

@@ -93,7 +93,7 @@ def cross_block_layer(block: Block, params: dict, x: jax.Array, images: CrossIma
 
 
 def forward(spec: ModelSpec, params: dict, tokens: jax.Array, *, images: CrossImages | None = None,
-            cache: dict | None = None, dtype=None) -> tuple[jax.Array, dict | None]:
+            cache: dict | None = None, positions: jax.Array | None = None, dtype=None) -> tuple[jax.Array, dict | None]:
     """Float32 logits [batch, seq, vocab] and the new cache (model.forward's, for a model with
     cross_attention layers); `images` reach the cross layers through run_segment's image slot."""
     from mxc.compiler.lower.model import embed, logits_from_hidden, run_segment
@@ -101,7 +101,8 @@ def forward(spec: ModelSpec, params: dict, tokens: jax.Array, *, images: CrossIm
     dtype = jnp.dtype(dtype or spec.compute_dtype)
     batch, seq = tokens.shape
     start = 0 if cache is None else cache["index"]
-    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None, :] + start, (batch, seq))
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None, :] + start, (batch, seq))
     cache_positions = None
     if cache is not None:
         cache_positions = jax.lax.dynamic_update_slice(cache["positions"], positions, (0, start))
@@ -116,3 +117,42 @@ def forward(spec: ModelSpec, params: dict, tokens: jax.Array, *, images: CrossIm
     if cache is None:
         return logits, None
     return logits, {"index": start + seq, "positions": cache_positions, "segments": new_segments}
+
+
+INPUTS = ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask")
+
+
+def forward_with_inputs(spec: ModelSpec, params: dict, tokens: jax.Array, *, dtype=None, **inputs) -> jax.Array:
+    """Float32 logits from the processor's inputs (INPUTS, as `mxc forward --images` reads them)."""
+    dtype = jnp.dtype(dtype or spec.compute_dtype)
+    images = cross_images(spec, params, *(inputs[name] for name in INPUTS), dtype)
+    return forward(spec, params, tokens, images=images, dtype=dtype)[0]
+
+
+def serving_steps(spec: ModelSpec, batch: int, cache_len: int, inputs: dict, *, dtype=None):
+    """decode.serving_steps for a model with cross_attention layers: prefill makes the images'
+    CrossImages once and keeps them in the cache (`cross`, with each row's last real mask row, which
+    every decoded token reuses); decode reads them from there."""
+    from mxc.compiler.lower.attention_core import EMPTY_SLOT
+    from mxc.compiler.lower.decode import init_cache, next_positions
+
+    def run_prefill(params, tokens, lengths):
+        images = cross_images(spec, params, *(inputs[name] for name in INPUTS), jnp.dtype(dtype or spec.compute_dtype))
+        logits, cache = forward(spec, params, tokens, images=images, cache=init_cache(spec, batch, cache_len, dtype),
+                                dtype=dtype)
+        last = (lengths.astype(jnp.int32) - 1)[:, None]
+        real = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :] <= last
+        positions = cache["positions"].at[:, :tokens.shape[1]].set(
+            jnp.where(real, cache["positions"][:, :tokens.shape[1]], EMPTY_SLOT))
+        row = CrossImages(images.states, jnp.take_along_axis(images.visible, last[:, :, None], axis=1),
+                          jnp.take_along_axis(images.sees_image, last, axis=1))
+        logits = jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0]
+        return logits, {**cache, "positions": positions, "cross": row}
+
+    def run_decode(params, tokens, cache):
+        text_cache = {key: value for key, value in cache.items() if key != "cross"}
+        logits, text_cache = forward(spec, params, tokens[:, None], images=cache["cross"], cache=text_cache,
+                                     positions=next_positions(text_cache)[:, None], dtype=dtype)
+        return logits[:, -1], {**text_cache, "cross": cache["cross"]}
+
+    return run_prefill, run_decode

@@ -101,6 +101,10 @@ def serving_steps(spec: ModelSpec, batch: int, cache_len: int, *, dtype=None,
     prefill(params, tokens [batch, prompt_len], lengths [batch]) -> (logits, cache) on a fresh
     cache, and decode(params, tokens [batch], cache) -> (logits, cache). An artifact's serving
     build compiles them; `mxc generate MODEL` jits them. `images` (fixed arrays) go into every prefill."""
+    if images and "cross_attention_mask" in images:  # Llama 3.2 Vision: the images' layers need them at every step
+        from mxc.compiler.lower import cross_attention
+
+        return cross_attention.serving_steps(spec, batch, cache_len, images, dtype=dtype)
 
     def run_prefill(params, tokens, lengths):
         return prefill(spec, params, tokens, init_cache(spec, batch, cache_len, dtype), lengths=lengths,
