@@ -28,9 +28,10 @@ TEXT_11B = dict(vocab_size=128256, hidden_size=4096, num_hidden_layers=40, num_a
                 rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False)
 TEXT_90B = dict(TEXT_11B, hidden_size=8192, num_hidden_layers=100, num_attention_heads=64, intermediate_size=28672,
                 cross_attention_layers=list(range(3, 100, 5)))
-SOURCE = ("HF meta-llama/Llama-3.2-{}-Vision config.json values (text_config and vision_config as listed; the 11B "
-          "text values are also MllamaTextConfig's defaults, the vision values MllamaVisionConfig's but image_size "
-          "560); totals agree with Meta's model cards ({})")
+SOURCE = ("config values as listed, written here (no network): the 11B's are transformers' MllamaTextConfig and "
+          "MllamaVisionConfig defaults but image_size 560 (both checkpoints' tile size), the 90B's text model "
+          "Llama 3.1 70B's shapes in 100 layers with a cross-attention layer every fifth from 3; totals agree with "
+          "Meta's model cards ({})")
 MODELS = [("llama3.2-11b-vision", "Llama-3.2-11B-Vision", TEXT_11B, "11B", 10.6e9, "10.6B"),
           ("llama3.2-90b-vision", "Llama-3.2-90B-Vision", TEXT_90B, "90B", 88.6e9, "88.6B")]
 
@@ -64,7 +65,7 @@ def main() -> None:
                      "vision_tower_params": parts["vision_tower"], "projector_params": parts["projector"],
                      "published_total": published,
                      "config": {"text_config": text, "vision_config": VISION, "image_token_index": 128256},
-                     "source": SOURCE.format(size, card),
+                     "source": SOURCE.format(card),
                      "counted_with": f"transformers {T.__version__}, torch {torch.__version__}, meta device"})
         print(zoo, total, parts)
     path.write_text(json.dumps(rows, indent=1, ensure_ascii=False) + "\n")
