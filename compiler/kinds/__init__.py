@@ -7,9 +7,10 @@ counts that analysis and the planner read (parameters, matmul weights, activatio
 Everything else asks the registry, `kind_of(node)`, instead of testing IR classes.
 
 The built-in kinds (attention.py: MHA, GQA, MQA; mla.py: MLA; dense_ffn.py: MLP, GLU,
-ClampedSwiGLU; moe.py: MoE) are registered on the first lookup. Adding a kind: an IR class in
-spec/ir.py (and its spelling in the grammar), one module here with a kind object subclassing
-AttentionKind or FeedForwardKind, and its name in BUILTIN_MODULES.
+ClampedSwiGLU; moe.py: MoE; cross_attention.py: CrossAttention) are registered on the first
+lookup. Adding a kind: an IR class in spec/ir.py (and its spelling in the grammar), one module
+here with a kind object subclassing AttentionKind or FeedForwardKind, and its name in
+BUILTIN_MODULES.
 """
 
 from __future__ import annotations
