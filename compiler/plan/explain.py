@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mxc.compiler.commands.units import duration
 from mxc.compiler.plan import memory
-from mxc.compiler.plan.candidates import Scored, fits, gib, mesh_text, rank
+from mxc.compiler.plan.candidates import Scored, fits, gib, mesh_text, rank, uses_memory_lever
 from mxc.compiler.plan.plan import MESH_AXES, Candidate, Verification
 from mxc.compiler.plan.stages import stage_reasons
 
@@ -33,6 +33,9 @@ class Verdicts:
         slower = item.time.step_s / chosen.time.step_s - 1
         if slower > 0.0005:
             return f"{slower:.1%} slower ({duration(item.time.step_s)} vs {duration(chosen.time.step_s)} a step)"
+        if slower < -0.0005 and uses_memory_lever(item) and not uses_memory_lever(chosen):
+            return (f"{-slower:.1%} faster, but with a memory lever (host offload or sequence parallelism), "
+                    f"put first only where it is search.LEVER_GAIN times as fast as the best plan without one")
         if item.choice.microbatches != chosen.choice.microbatches:
             return f"as fast, with {item.choice.microbatches} microbatches instead of {chosen.choice.microbatches}"
         if item.choice.remat.endswith("offloaded") and not chosen.choice.remat.endswith("offloaded"):

@@ -355,10 +355,17 @@ def plan_setting(spec, topology, params: dict[str, object], *, seq: int | None =
     if (chosen.batch // chosen.microbatches) % split:
         raise MaxTextError(f"a microbatch of {chosen.batch // chosen.microbatches} sequences does not split over "
                            f"data x fsdp x expert = {split} devices")
+    # MaxText shards the activations between layers over tensor (its `activation_embed` rule),
+    # so a layer's input, and what is offloaded of it, is 1/tensor per device; mxc's twin is
+    # the residual stream's sequence split over tensor (sequence parallelism), the same bytes.
+    split_residual = chosen.mesh["tensor"] > 1
+    if split_residual:
+        chosen.notes.append(f"ici_tensor_parallelism {chosen.mesh['tensor']}: the activations between layers split "
+                            "over tensor, as MaxText's activation_embed rule does (mxc: sequence parallelism)")
     try:
         result = evaluate(spec, topology, seq=chosen.seq, batch=chosen.batch, mesh=chosen.mesh, remat=chosen.remat,
-                          microbatches=chosen.microbatches, dcn=chosen.dcn, attention=chosen.attention,
-                          experts=chosen.experts)
+                          sequence_parallel=split_residual, microbatches=chosen.microbatches, dcn=chosen.dcn,
+                          attention=chosen.attention, experts=chosen.experts)
     except (PlanError, ValueError) as err:
         raise MaxTextError(str(err)) from None
     reasons = [f"maxtext: {note}" for note in chosen.notes]
