@@ -8,7 +8,7 @@ import argparse
 
 from mxc.compiler.commands import UserError
 from mxc.compiler.commands.forward import add_model_arguments, load
-from mxc.compiler.commands.images import add_images_argument, read_images
+from mxc.compiler.commands.images import add_images_argument, image_files, read_images, text_prompt_ids
 
 
 def register(subparsers) -> None:
@@ -79,8 +79,9 @@ def handler(args: argparse.Namespace) -> int:
     from mxc.compiler.commands.run import hand_over, is_artifact
 
     if is_artifact(args.model):  # a compiled artifact: served by the runtime's precompiled prefill/decode
-        if args.images:
-            raise UserError("--images runs with a model (a spec or a model directory), not yet with an artifact")
+        if args.images or args.image:
+            raise UserError("--images and --image run with a model (a spec or a model directory), not yet with "
+                            "an artifact")
         return hand_over("generate", runtime_arguments(args))
     if args.trusted_key:
         raise UserError(f"--trusted-key checks an artifact's signature; {args.model} is no artifact")
@@ -99,12 +100,15 @@ def handler(args: argparse.Namespace) -> int:
     except (CommandError, TextError) as err:
         raise UserError(str(err)) from None
     spec, params = load(args)
+    files = image_files(getattr(args, "image", None), spec)
+    if files and text is not None:  # the prompt's image markers expanded as the processor does
+        prompts = text_prompt_ids(text.tokenizer, args.prompt, args.chat, spec, files)
     if prompts.ndim != 2 or prompts.shape[1] == 0:
         raise UserError(f"--prompt-tokens {args.prompt_tokens} needs at least one token per row, shape "
                         f"(requests, prompt), not {list(prompts.shape)}")
     width = prompts.shape[1]
     # Every prompt row is prefilled in one group, so the images' order follows the rows'.
-    images = read_images(getattr(args, "images", None), spec, prompts)
+    images = read_images(getattr(args, "images", None), spec, prompts, files)
     servable = spec_servable(spec, max(len(prompts), 1), width, width + max(args.max_new, 1) - 1,
                              args.dtype or "float32", images=images or None)
     try:
