@@ -42,7 +42,7 @@ class DispatchPlan:
     expert_axes: tuple[str, ...]  # the mesh axes the experts are split over (row-major order)
     shards: int  # devices along them
     hidden_axes: tuple[str, ...]  # mesh axes splitting the experts' hidden units (summed after `down`)
-    shard_index: jax.Array | None = None  # this device's position along expert_axes
+    shard_index: jax.Array  # this device's position along expert_axes
 
 
 def _all_to_all(values: jax.Array, plan: DispatchPlan) -> jax.Array:

@@ -3,8 +3,9 @@
     python moe_sharded.py paths|training
 
 Run with 8 virtual CPU devices (XLA_FLAGS) and the tests folder on PYTHONPATH (it builds its
-layers with test_moe's helpers). `paths`: the dropless and capacity paths, and megablox under two
-more layouts; `training`: gradients through the layer, a model's logits and a whole train step.
+layers with test_moe's helpers). `paths`: the dropless and capacity paths, and the dropless
+dispatch with megablox's grouped matmul under two more layouts; `training`: gradients through the
+layer, a model's logits and a whole train step.
 Prints "sharded ok" when every comparison holds; a failed one raises."""
 
 import dataclasses
