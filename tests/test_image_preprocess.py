@@ -209,3 +209,40 @@ def test_generate_expands_the_prompts_image_marker_as_the_processor(tmp_path, ca
     capsys.readouterr()
     assert main(["generate", model, "--prompt", "w5 w6", "--image", str(png), "--max-new", "1"]) != 0
     assert "0 image marker(s) '<start_of_image>' for 1 image(s)" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # about 20 s under load
+def test_llama4_tiles_fill_the_placeholders_the_processor_lays_out(tmp_path, capsys):
+    """A 50x70 image on the tiny Llama 4 (32-pixel tiles) makes 2x3 tiles and a global tile; with the
+    processor's layout in the ids, --image runs as --images with those pixels, and too few
+    placeholders is one error counting tiles."""
+    import re
+
+    from test_llama4_vision import _hf_model
+
+    from mxc.compiler.cli import main
+    from mxc.compiler.hf.convert import import_hf
+    from mxc.compiler.hf.model_dir import load_spec_and_params
+
+    _hf_model().save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "mxc")
+    spec, _ = load_spec_and_params(str(tmp_path / "mxc"))
+    png = _png(tmp_path, 50, 70, "RGB")
+    image = ip.pixel_values(spec.vision, png)
+    assert (image.tile_rows, image.tile_cols, len(image.pixels)) == (2, 3, 7)
+    entry = spec.vision.entry
+    text = ip.expanded_image_text(spec.vision, image, {entry.begin: "<B>", entry.end: "<E>", entry.token: "<P>"}.get)
+    ids_of = {"<B>": entry.begin, "<E>": entry.end, "<P>": entry.token, "<|tile_x_separator|>": 5,
+              "<|tile_y_separator|>": 6, "<|image|>": 7}
+    ids = [2, 3] + [ids_of[t] for t in re.findall(r"<[^>]*>", text)] + [9]
+    np.save(tmp_path / "t.npy", np.array([ids]))
+    np.savez(tmp_path / "in.npz", pixel_values=image.pixels)
+    base = ["forward", str(tmp_path / "mxc"), "--tokens", str(tmp_path / "t.npy")]
+    assert main(base + ["--image", str(png), "-o", str(tmp_path / "a.npy")]) == 0
+    assert main(base + ["--images", str(tmp_path / "in.npz"), "-o", str(tmp_path / "b.npy")]) == 0
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))
+    np.save(tmp_path / "short.npy", np.array([ids[:-20]]))
+    capsys.readouterr()
+    assert main(["forward", str(tmp_path / "mxc"), "--tokens", str(tmp_path / "short.npy"), "--image", str(png),
+                 "-o", str(tmp_path / "c.npy")]) != 0
+    assert "--image: 1 image file(s) in 7 tile(s) of 16 tokens need 112" in capsys.readouterr().err

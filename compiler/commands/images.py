@@ -85,9 +85,10 @@ def read_images(path: str | None, spec, tokens, images: list | None = None) -> d
     placeholders = int((tokens == tower.entry.token).sum())
     per_image = tokens_per_image(tower)
     if placeholders != len(pixels) * per_image:
-        raise UserError(f"--images: {len(pixels)} image(s) of {per_image} tokens need "
-                        f"{len(pixels) * per_image} placeholder tokens ({tower.entry.token}); "
-                        f"the prompt has {placeholders}")
+        counted = (f"--image: {len(images)} image file(s) in {len(pixels)} tile(s)" if images
+                   else f"--images: {len(pixels)} image(s)")
+        raise UserError(f"{counted} of {per_image} tokens need {len(pixels) * per_image} placeholder tokens "
+                        f"({tower.entry.token}); the prompt has {placeholders}")
     inputs = {"pixel_values": pixels.astype(np.float32)}
     if "token_type_ids" in arrays:
         types = arrays["token_type_ids"]
