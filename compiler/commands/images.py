@@ -47,9 +47,16 @@ def text_prompt_ids(tokenizer, prompt: str, chat: bool, spec, images: list):
 
     from mxc.runtime.image_preprocess import ImageInputError, expand_image_markers
 
+    def token_text(token: int) -> str:
+        text = tokenizer.tokenizer.id_to_token(token)
+        if text is None:
+            raise ImageInputError(f"--image: the tokenizer has no token {token}, which {spec.name}'s image "
+                                  f"entry names")
+        return text
+
     text = tokenizer.chat_text(prompt) if chat else prompt
     try:
-        text = expand_image_markers(text, spec.vision, images, tokenizer.tokenizer.id_to_token)
+        text = expand_image_markers(text, spec.vision, images, token_text)
     except ImageInputError as err:
         raise UserError(str(err)) from None
     return np.asarray([tokenizer.encode(text, special_tokens=not chat)], np.int32)
