@@ -141,8 +141,9 @@ def expert_settings(choice: Choice) -> list[tuple[str | None, float | None]]:
     spec = choice.spec
     if not any(kind_of(block.mlp).routing(block.mlp) is not None for block in spec.blocks.values()):
         return [(None, None)]
-    dropless = [("dropless", None)] if choice.split("experts") > 1 else []
-    return dropless + [("capacity", CAPACITY_FACTOR)]
+    # Not with pipeline stages: the dispatch's shard_map inside the stages' vmap is not tested.
+    expert_parallel = choice.split("experts") > 1 and choice.mesh.get("stage", 1) == 1
+    return ([("dropless", None)] if expert_parallel else []) + [("capacity", CAPACITY_FACTOR)]
 
 
 def on_capacity_path(item: Scored) -> bool:
