@@ -38,7 +38,8 @@ def block_layer_with_stats(block: Block, params: dict, x: jax.Array, positions: 
         from mxc.compiler.lower.cross_attention import cross_block_layer
 
         if isinstance(block.attention, CrossAttention):
-            return cross_block_layer(block, params, x, image_blocks), cache, None
+            x, cache = cross_block_layer(block, params, x, image_blocks, cache)
+            return x, cache, None
         image_blocks = None
     elif isinstance(block.attention, CrossAttention):
         return x, cache, None  # no image: transformers skips the layer

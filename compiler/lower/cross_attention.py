@@ -14,8 +14,10 @@ the tiles its mask row allows; a row that allows none (text before the first ima
 image token instead, and its feed-forward output is dropped, so only the gated attention output
 joins its residual. Without images every cross_attention layer is skipped, as transformers skips
 them. Decoding reuses the last prompt row's mask for every new token (transformers'
-`_update_model_kwargs_for_generation`); the image features stay in CrossImages and the keys and
-values are projected again at each step (no cache entry).
+`_update_model_kwargs_for_generation`). serving_steps' prefill writes each cross layer's image
+keys and values into the cache (sized by the images, so outside the kinds' cache_entries), and
+decoding reads them there; a cache without them (decode.init_cache's) has them projected again at
+every step.
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ from mxc.compiler.lower.norms import apply_norm
 from mxc.compiler.lower.projection import project
 from mxc.compiler.lower.sharding import RESIDUAL_AXES, constrain
 from mxc.compiler.lower.vision_mllama import encode_tiles, project_tiles
-from mxc.spec.ir import Block, ModelSpec
+from mxc.spec.ir import Block, CrossAttention, ModelSpec
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CrossImages:
-    states: jax.Array  # [batch, image tokens, d_model]: the projected tiles of a row's images, in order
+    states: jax.Array | None  # [batch, image tokens, d_model]: a row's projected tiles, in order; None
+    # once the cross layers' keys and values are in the cache (decoding after serving_steps' prefill)
     visible: jax.Array  # [batch, seq, image tokens] bool: which image tokens each text token sees
     sees_image: jax.Array  # [batch, seq] bool: the mask row allows some tile
 
@@ -60,18 +63,26 @@ def cross_images(spec: ModelSpec, params: dict, pixel_values, aspect_ratio_ids, 
     return CrossImages(states, allowed | ~sees_image[..., None], sees_image)
 
 
-def cross_block_layer(block: Block, params: dict, x: jax.Array, images: CrossImages | None) -> jax.Array:
-    """One cross_attention layer (transformers' MllamaCrossAttentionDecoderLayer)."""
-    if images is None:
-        return x
+def cross_block_layer(block: Block, params: dict, x: jax.Array, images: CrossImages,
+                      cache: dict | None = None) -> tuple[jax.Array, dict | None]:
+    """One cross_attention layer (transformers' MllamaCrossAttentionDecoderLayer). A cache slice
+    with "k" and "v" (serving_steps sizes it by the images) takes the image keys and values made
+    from images.states, or gives them when states is None."""
     att, dtype = block.attention, x.dtype
     ap = params["attention"]
     h = apply_norm(block.norm, params["attention_norm"], x)
     q = project(h, ap["q"], "bse,ehd->bshd", dtype)
-    k = project(images.states.astype(dtype), ap["k"], "bte,ehd->bthd", dtype)
-    v = project(images.states.astype(dtype), ap["v"], "bte,ehd->bthd", dtype)
     if att.qk_norm is not None:
-        q, k = apply_norm(att.qk_norm, ap["q_norm"], q), apply_norm(att.qk_norm, ap["k_norm"], k)
+        q = apply_norm(att.qk_norm, ap["q_norm"], q)
+    if images.states is None:
+        k, v = cache["k"], cache["v"]
+    else:
+        k = project(images.states.astype(dtype), ap["k"], "bte,ehd->bthd", dtype)
+        v = project(images.states.astype(dtype), ap["v"], "bte,ehd->bthd", dtype)
+        if att.qk_norm is not None:
+            k = apply_norm(att.qk_norm, ap["k_norm"], k)
+        if cache is not None and "k" in cache:
+            cache = {**cache, "k": k.astype(cache["k"].dtype), "v": v.astype(cache["v"].dtype)}
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     # An arbitrary text-by-image-token mask, which attend's position-based masks cannot state.
@@ -89,7 +100,7 @@ def cross_block_layer(block: Block, params: dict, x: jax.Array, images: CrossIma
     h = h * images.sees_image[..., None].astype(dtype)
     if att.gated:
         h = jnp.tanh(ap["mlp_gate"].astype(jnp.float32)).astype(dtype) * h
-    return constrain(x + h, RESIDUAL_AXES)
+    return constrain(x + h, RESIDUAL_AXES), cache
 
 
 def forward(spec: ModelSpec, params: dict, tokens: jax.Array, *, images: CrossImages | None = None,
@@ -131,20 +142,21 @@ def forward_with_inputs(spec: ModelSpec, params: dict, tokens: jax.Array, *, dty
 
 def serving_steps(spec: ModelSpec, batch: int, cache_len: int, inputs: dict, *, dtype=None):
     """decode.serving_steps for a model with cross_attention layers: prefill makes the images'
-    CrossImages once and keeps them in the cache (`cross`, with each row's last real mask row, which
-    every decoded token reuses); decode reads them from there."""
+    CrossImages once, writes each cross layer's image keys and values into the cache and keeps the
+    mask (`cross`: each row's last real mask row, which every decoded token reuses); decode reads
+    both from there."""
     from mxc.compiler.lower.attention_core import EMPTY_SLOT
     from mxc.compiler.lower.decode import init_cache, next_positions
 
     def run_prefill(params, tokens, lengths):
         images = cross_images(spec, params, *(inputs[name] for name in INPUTS), jnp.dtype(dtype or spec.compute_dtype))
-        logits, cache = forward(spec, params, tokens, images=images, cache=init_cache(spec, batch, cache_len, dtype),
-                                dtype=dtype)
+        cache = _with_image_slots(spec, init_cache(spec, batch, cache_len, dtype), images.states.shape[1], dtype)
+        logits, cache = forward(spec, params, tokens, images=images, cache=cache, dtype=dtype)
         last = (lengths.astype(jnp.int32) - 1)[:, None]
         real = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :] <= last
         positions = cache["positions"].at[:, :tokens.shape[1]].set(
             jnp.where(real, cache["positions"][:, :tokens.shape[1]], EMPTY_SLOT))
-        row = CrossImages(images.states, jnp.take_along_axis(images.visible, last[:, :, None], axis=1),
+        row = CrossImages(None, jnp.take_along_axis(images.visible, last[:, :, None], axis=1),
                           jnp.take_along_axis(images.sees_image, last, axis=1))
         logits = jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0]
         return logits, {**cache, "positions": positions, "cross": row}
@@ -156,3 +168,19 @@ def serving_steps(spec: ModelSpec, batch: int, cache_len: int, inputs: dict, *, 
         return logits[:, -1], {**text_cache, "cross": cache["cross"]}
 
     return run_prefill, run_decode
+
+
+def _with_image_slots(spec: ModelSpec, cache: dict, image_tokens: int, dtype) -> dict:
+    """The cache with a "k" and "v" of image_tokens rows in every cross_attention layer's slice."""
+    dtype = jnp.dtype(dtype or spec.compute_dtype)
+    batch = cache["positions"].shape[0]
+    segments = []
+    for segment, slices in zip(spec.layers, cache["segments"]):
+        segments.append([])
+        for name, layer_cache in zip(segment.period, slices):
+            att = spec.blocks[name].attention
+            if isinstance(att, CrossAttention):
+                shape = (segment.repeat, batch, image_tokens, att.kv_heads, att.head_dim)
+                layer_cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+            segments[-1].append(layer_cache)
+    return {**cache, "segments": segments}
