@@ -13,9 +13,8 @@
                    all-gathers
 
 Matmuls are bound by FLOPs and everything else (norms, activations, the loss, the optimizer
-update) by HBM bandwidth, so the step adds the two; XLA overlaps FSDP and data-parallel
-collectives and host offloading with that work, while tensor, expert and context collectives
-sit on the critical path.
+update) by HBM bandwidth, so the step adds the two; host offloading overlaps with that work,
+while collectives sit on the critical path (the compiled programs issue them synchronously).
 An axis inside a slice gets the share of the chip's ICI links that its size spans of the slice
 (log2 n of log2 chips); the part of an axis that spans slices runs over DCN.
 """
@@ -220,9 +219,10 @@ def step_time(choice: Choice, constants=None) -> StepTime:
     offload = host_seconds(choice)
     if offload:
         comm["host offload"] = offload
-    # XLA runs FSDP's and data parallelism's collectives and the host copies asynchronously,
-    # behind the layers' compute; the rest waits for its result.
-    overlapped = sum(v for k, v in comm.items() if k.startswith(("fsdp", "data", "host")))
+    # Host copies run behind the layers' compute; every collective waits for its result: in each
+    # train step XLA compiled for the published rows (docs/plans.md, "Calibration") the FSDP
+    # all-gathers and reduce-scatters are synchronous, so each microbatch pays for them again.
+    overlapped = sum(v for k, v in comm.items() if k.startswith("host"))
     critical = sum(comm.values()) - overlapped
     busy = compute + memory
     exposed = critical + max(0.0, overlapped - c.overlap * busy)
