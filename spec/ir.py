@@ -393,6 +393,11 @@ class CrossAttentionEntry(Node):
     kind: Literal["cross_attention"] = "cross_attention"
     token: int = Field(ge=0)
 
+    @property
+    def bidirectional(self) -> bool:
+        """No image tokens in the text, so no image mask there (as placeholders may ask)."""
+        return False
+
 
 class Tiles(Node):
     """Llama 3.2 Vision: an image arrives as up to `max` square tiles laid out by one of

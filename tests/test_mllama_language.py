@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mxc.compiler.analysis import summarize
+from mxc.compiler.kinds.vision import tokens_per_image
 from mxc.compiler.lower.param_def import is_def
 from mxc.compiler.lower.params import param_defs
 from mxc.spec import SpecError, load_text
@@ -22,6 +23,8 @@ def test_zoo_models_have_their_layer_pattern_and_tower():
     assert len(load_model("llama3.2-90b-vision").layer_kinds) == 100
     summary = summarize(spec)
     assert summary.vision_params == 863567379 + 31461376
+    assert tokens_per_image(spec.vision) == 4 * 1601  # 40 x 40 patches and the class token per tile
+    assert not spec.vision.entry.bidirectional  # the planner may pick splash for the text layers
     assert summary.embedding_params == 128264 * 4096  # 8 rows past the vocabulary
 
 

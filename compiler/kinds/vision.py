@@ -99,6 +99,10 @@ def output_width(tower: VisionTower) -> int:
 
 
 def tokens_per_image(tower: VisionTower) -> int:
+    """The projected tokens one image gives the text model (for a tiled tower: the keys of its
+    cross-attention layers, every token of every tile, padding tiles included)."""
+    if isinstance(tower.projector, LinearProjector):
+        return tower.tiles.max * num_positions(tower)
     if isinstance(tower.projector, PixelShuffleProjector):
         return round(tower.num_patches * tower.projector.ratio ** 2)
     return tower.projector.tokens
