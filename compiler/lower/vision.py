@@ -62,6 +62,10 @@ def _pooled_projection(spec: ModelSpec, projector: PooledProjector, params: dict
 def encode_images(spec: ModelSpec, params: dict, pixel_values: jax.Array, dtype, remat_policy=None) -> jax.Array:
     """The soft tokens of each image: [images, tokens_per_image, d_model] in dtype."""
     tower, vp = spec.vision, params["vision"]
+    if tower.tiles is not None:
+        raise NotImplementedError("Llama 3.2 Vision's images enter through its cross-attention layers "
+                                  "(compiler/lower/cross_attention.py), not as soft tokens; training with them "
+                                  "is not built")
     if isinstance(tower.projector, PixelShuffleProjector):  # Llama 4: class token, 2D RoPE, pixel shuffle
         from mxc.compiler.lower import vision_llama4
 
