@@ -126,7 +126,11 @@ def compile_rows(args) -> int:
 
 
 def reread_rows(args) -> int:
-    """Recompute the saved rows' terms from their kept HLO (after a change to the reader)."""
+    """Recompute the rows' terms from HLO kept in a folder (after a change to the reader), or take
+    a row's terms from its program's HLO for the first time: where jax cannot read a compiled
+    program back (Mixtral on v6e-256), XLA's own dump of the compile has it
+    (XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_flat", the
+    *after_optimizations.txt file, copied to DIR/MODEL_TOPOLOGYxSLICES.hlo)."""
     from mxc.compiler.plan.calibration import published_rows
     from mxc.compiler.plan.maxtext import plan_setting
     from mxc.compiler.plan.verify import estimate_from_text, plan_mesh
@@ -136,12 +140,13 @@ def reread_rows(args) -> int:
     saved = json.loads(Path(args.terms).read_text())
     for row in published_rows():
         path = Path(args.reread) / f"{row['model']}_{row['topology']}x{row['slices']}.hlo"
-        if row["name"] not in saved or not path.exists():
+        if not path.exists():
             continue
         spec, topology = load_model(row["model"]), parse(row["topology"], row["slices"])
         fixed = plan_setting(spec, topology, row["tuning_params"], seq=row["seq"], verify=False)
         time, terms = estimate_from_text(spec, fixed, topology, path.read_text(), plan_mesh(fixed, topology))
-        saved[row["name"]]["terms"] = terms.to_json()
+        entry = saved.setdefault(row["name"], {"status": "fits", "compiled_for": f"compiled program (HLO from {path.name})"})
+        entry["terms"] = terms.to_json()
         print(f"{row['name']}: MFU {time.mfu:.1%}, step {time.step_s:.2f} s (published {row['published_mfu']:.1%})")
     Path(args.terms).write_text(json.dumps(saved, indent=1) + "\n")
     return 0
