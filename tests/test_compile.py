@@ -39,7 +39,7 @@ def test_manifest_has_the_keys_scripts_rely_on(manifest):
     assert manifest["format_version"] == FORMAT_VERSION
     topology = manifest["topology"]
     assert (topology["name"], topology["chips"], topology["devices"]) == ("cpu-8", 8, 8)
-    assert topology["mesh"] == {"data": 1, "fsdp": 8, "context": 1, "expert": 1, "tensor": 1}
+    assert topology["mesh"] == {"stage": 1, "data": 1, "fsdp": 8, "context": 1, "expert": 1, "tensor": 1}
     assert manifest["versions"]["jax"] == jax.__version__ and manifest["versions"]["jaxlib"] == jaxlib.__version__
     assert set(manifest["versions"]) >= {"jax", "jaxlib", "libtpu", "mxc"}
     assert set(manifest["functions"]) == {"init", "train_step", "eval_step", "prefill", "decode"}

@@ -9,8 +9,6 @@ from __future__ import annotations
 import zipfile
 
 from mxc.compiler.commands import UserError
-from mxc.compiler.kinds.vision import tokens_per_image
-from mxc.spec.ir import CrossAttentionEntry
 
 
 def add_images_argument(parser) -> None:
@@ -81,6 +79,9 @@ def read_images(path: str | None, spec, tokens, images: list | None = None) -> d
                 arrays = {name: data[name] for name in data.files}
         except (OSError, ValueError, zipfile.BadZipFile) as err:
             raise UserError(f"--images: cannot read {path}: {err}") from None
+    from mxc.compiler.kinds.vision import tokens_per_image  # the spec's machinery: not at parser build
+    from mxc.spec.ir import CrossAttentionEntry
+
     tower = spec.vision
     if isinstance(tower.entry, CrossAttentionEntry):
         return _cross_attention_inputs(arrays, tower, tokens)
