@@ -7,9 +7,11 @@ from pathlib import Path
 import pytest
 
 from mxc.compiler.analysis import summarize
-from mxc.spec import SpecError, load_text
+from mxc.spec import load_text
 from mxc.spec.format import format_text
 from mxc.spec.load import load_model
+
+from located_errors import assert_refused_where_written  # noqa: E402
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "param_counts.json"
 
@@ -68,14 +70,7 @@ def test_a_tower_formats_to_a_fixed_point_with_the_same_model():
     ("vision.projector = pool(tokens = 4)", "pool(", "did you mean 'avg_pool'"),
 ])
 def test_bad_tower_values_are_errors_where_they_are_written(line, needle, message):
-    text = TOWER % f"  {line}"
-    with pytest.raises(SpecError) as err:
-        load_text(text, "m.mspec")
-    found = [d for d in err.value.diagnostics if message in d.message + (d.hint or "")]
-    assert found, [d.message for d in err.value.diagnostics]
-    row = text.count("\n", 0, text.index(line)) + 1
-    col = text.split("\n")[row - 1].index(needle) + 1
-    assert (found[0].loc.line, found[0].loc.col) == (row, col)
+    assert_refused_where_written(TOWER % f"  {line}", line, needle, message)
 
 
 # ---------------------------------------------------------------- parity with transformers

@@ -17,6 +17,8 @@ from mxc.compiler.kinds import vision as vision_kind  # noqa: E402
 from mxc.compiler.lower import vision_llama4  # noqa: E402
 from mxc.compiler.lower.param_def import is_def  # noqa: E402
 
+from located_errors import assert_refused_where_written  # noqa: E402
+
 TEXT_D_MODEL = 64
 # 32-pixel images of 4-pixel patches: 64 patches, 16 tokens after the pixel shuffle; 4 heads of 8.
 VISION = dict(image_size=32, patch_size=4, num_channels=3, hidden_size=32, num_attention_heads=4,
@@ -181,16 +183,7 @@ model m extends llama4-17b-16e-text {
     ("vision.rope = rope2d(theta = 1)", "rope2d(", "did you mean 'rope_2d'"),
 ])
 def test_bad_llama4_tower_values_are_errors_where_they_are_written(line, needle, message):
-    from mxc.spec import SpecError, load_text
-
-    text = TOWER % f"  {line}"
-    with pytest.raises(SpecError) as err:
-        load_text(text, "m.mspec")
-    found = [d for d in err.value.diagnostics if message in d.message + (d.hint or "")]
-    assert found, [d.message for d in err.value.diagnostics]
-    row = text.count("\n", 0, text.index(line)) + 1
-    col = text.split("\n")[row - 1].index(needle) + 1
-    assert (found[0].loc.line, found[0].loc.col) == (row, col)
+    assert_refused_where_written(TOWER % f"  {line}", line, needle, message)
 
 
 def test_a_llama4_tower_formats_to_a_fixed_point_with_the_same_model():

@@ -15,6 +15,8 @@ from mxc.spec import SpecError, load_text
 from mxc.spec.format import format_text
 from mxc.spec.load import load_model
 
+from located_errors import assert_refused_where_written  # noqa: E402
+
 
 def test_zoo_models_have_their_layer_pattern_and_tower():
     spec = load_model("llama3.2-11b-vision")
@@ -84,14 +86,7 @@ model n extends m {
     ("vision.tiles = tile(max = 4, aspect_ratios = 8)", "tile(", "did you mean 'tiles'"),
 ])
 def test_bad_values_are_errors_where_they_are_written(line, needle, message):
-    text = MODEL % f"  {line}"
-    with pytest.raises(SpecError) as err:
-        load_text(text, "m.mspec")
-    found = [d for d in err.value.diagnostics if message in d.message + (d.hint or "")]
-    assert found, [d.message for d in err.value.diagnostics]
-    row = text.count("\n", 0, text.index(line)) + 1
-    col = text.split("\n")[row - 1].index(needle) + 1
-    assert (found[0].loc.line, found[0].loc.col) == (row, col)
+    assert_refused_where_written(MODEL % f"  {line}", line, needle, message)
 
 
 def test_cross_attention_layers_need_a_cross_attention_tower():
