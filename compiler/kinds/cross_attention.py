@@ -10,20 +10,16 @@ from __future__ import annotations
 
 from mxc.compiler.analysis import norm_params
 from mxc.compiler.kinds import register
-from mxc.compiler.kinds.base import AttentionKind
-from mxc.compiler.lower.param_def import linear, norm_defs, zeros
+from mxc.compiler.kinds.attention import HeadAttention
+from mxc.compiler.lower.param_def import zeros
 from mxc.spec.ir import CrossAttention, CrossAttentionEntry
 
-CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
 
-
-class CrossAttentionKind(AttentionKind):
+class CrossAttentionKind(HeadAttention):
     ir_classes = (CrossAttention,)
 
     def check(self, att, at, report):
-        if att.heads % att.kv_heads:
-            report(at + ("kv_heads",), f"heads ({att.heads}) is not divisible by kv_heads ({att.kv_heads})",
-                   "every key/value head must serve the same number of query heads")
+        super().check(att, at, report)
         for field in ("window", "chunk", "softcap", "temperature_tuning", "query_pre_attn_scalar"):
             if getattr(att, field) is not None:
                 report(at + (field,), f"cross-attention to an image takes no {field}")
@@ -31,16 +27,7 @@ class CrossAttentionKind(AttentionKind):
             report(at + ("sinks",), "cross-attention to an image takes no sinks")
 
     def param_defs(self, att, d_model):
-        h, kv, hd = att.heads, att.kv_heads, att.head_dim
-        defs = {
-            "q": linear((d_model,), ("embed",), (h, hd), ("heads", "head_dim"), att.qkv_bias),
-            "k": linear((d_model,), ("embed",), (kv, hd), ("kv_heads", "head_dim"), att.qkv_bias),
-            "v": linear((d_model,), ("embed",), (kv, hd), ("kv_heads", "head_dim"), att.qkv_bias),
-            "o": linear((h, hd), ("heads", "head_dim"), (d_model,), ("embed",), att.out_bias),
-        }
-        if att.qk_norm is not None:
-            defs["q_norm"] = norm_defs(att.qk_norm, hd, "head_dim")
-            defs["k_norm"] = norm_defs(att.qk_norm, hd, "head_dim")
+        defs = super().param_defs(att, d_model)  # q, k, v, o and the q/k norms, as self-attention's
         if att.gated:
             # Zero at initialisation (as transformers starts them): a new image layer changes nothing.
             defs["attention_gate"] = zeros((), ())
