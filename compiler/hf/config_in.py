@@ -61,6 +61,18 @@ DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 MULTIMODAL = {"gemma3": "gemma3_text", "llama4": "llama4_text"}  # multimodal type -> its text model's
 
 
+def square_size(section: dict, key: str, default, refusal: str):
+    """A vision config's size, which transformers writes as one number or as [height, width]: mxc's
+    towers take square images, tiles and patches, so unequal sides are a ConfigError (`refusal`
+    says what the tower takes)."""
+    value = section.get(key, default)
+    if isinstance(value, (list, tuple)):
+        if len(set(value)) != 1:
+            raise ConfigError(f"vision_config.{key} {value}: {refusal}")
+        value = value[0]
+    return value
+
+
 def model_type(cfg: dict) -> str:
     from mxc.compiler.hf.families import model_types
 

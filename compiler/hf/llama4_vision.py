@@ -16,7 +16,7 @@ import dataclasses
 from typing import Iterator
 
 from mxc.compiler.hf import llama4
-from mxc.compiler.hf.config_in import ConfigError, config_dtype
+from mxc.compiler.hf.config_in import ConfigError, config_dtype, square_size
 from mxc.compiler.hf.families import FamilyConverter
 from mxc.compiler.hf.mapping import LayoutError, TensorMap, _heads_bias, _heads_in, _heads_out, _same, _transpose
 from mxc.spec.ir import (MHA, MLP, AxialRope, EncoderBlock, ImagePlaceholders, LayerNorm, LearnedPositions,
@@ -34,12 +34,7 @@ def tower_from_config(cfg: dict) -> VisionTower:
     vision_cfg = cfg.get("vision_config") or {}
 
     def size(key, default=None):
-        value = vision_cfg.get(key, default)
-        if isinstance(value, (list, tuple)):
-            if len(set(value)) != 1:
-                raise ConfigError(f"vision_config.{key} {value}: mxc's Llama 4 tower takes square images and patches")
-            value = value[0]
-        return value
+        return square_size(vision_cfg, key, default, "mxc's Llama 4 tower takes square images and patches")
 
     act = vision_cfg.get("hidden_act", "gelu")
     if act != "gelu":

@@ -18,7 +18,7 @@ from typing import Iterator
 
 import numpy as np
 
-from mxc.compiler.hf.config_in import ConfigError, config_dtype, dense_spec_from_config, segments
+from mxc.compiler.hf.config_in import ConfigError, config_dtype, dense_spec_from_config, segments, square_size
 from mxc.compiler.hf.families import FamilyConverter
 from mxc.compiler.hf.mapping import (LayoutError, TensorMap, _heads_in, _heads_out, _same, _transpose, attention_maps, layer_entry,
                                      norm_maps, top_level_maps)
@@ -40,12 +40,7 @@ def tower_from_config(cfg: dict) -> VisionTower:
     vision_cfg = cfg.get("vision_config") or {}
 
     def size(key, default):
-        value = vision_cfg.get(key, default)
-        if isinstance(value, (list, tuple)):
-            if len(set(value)) != 1:
-                raise ConfigError(f"vision_config.{key} {value}: mxc's Llama 3.2 Vision tower takes square tiles")
-            value = value[0]
-        return value
+        return square_size(vision_cfg, key, default, "mxc's Llama 3.2 Vision tower takes square tiles")
 
     act = vision_cfg.get("hidden_act", "gelu")
     if act != "gelu":
