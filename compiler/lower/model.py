@@ -134,10 +134,10 @@ def decoder_hidden(spec: ModelSpec, params: dict, tokens: jax.Array, *, position
                                            pixel_values, image_mask, dtype, remat_policy)
     else:
         x = embed(spec, params, tokens, dtype)
-    if pixel_values is not None and pixel_values.ndim != 5:
-        from mxc.compiler.lower import vision
+        if pixel_values is not None:
+            from mxc.compiler.lower import vision
 
-        x, image_blocks = vision.with_images(spec, params, tokens, x, pixel_values, token_type_ids)
+            x, image_blocks = vision.with_images(spec, params, tokens, x, pixel_values, token_type_ids)
     new_segments, moe_stats = [], []
     for s, segment in enumerate(spec.layers):
         if pipeline is not None and s == _pipelined_segment_index(spec):
