@@ -124,13 +124,18 @@ class PackedSequences:
             mask = np.ones(inputs.shape, bool)
         else:
             mask = inputs != eod_id
-        if self.doc_mask and eod_id is not None:
-            segment_ids, positions = document_layout(inputs, eod_id)
-        else:
-            segment_ids = np.ones(inputs.shape, np.int32)
-            positions = np.broadcast_to(np.arange(self.seq, dtype=np.int32), inputs.shape)
+        segment_ids, positions = row_layout(inputs, eod_id, self.doc_mask)
         return {"inputs": inputs.astype(np.int32), "targets": targets.astype(np.int32), "mask": mask,
                 "segment_ids": segment_ids, "positions": positions}
+
+
+def row_layout(inputs: np.ndarray, eod_id: int | None, doc_mask: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(segment_ids, positions) of rows of inputs: per document where doc_mask is on and the file
+    marks documents' ends, else each row one document from position 0."""
+    if doc_mask and eod_id is not None:
+        return document_layout(inputs, eod_id)
+    return (np.ones(inputs.shape, np.int32),
+            np.broadcast_to(np.arange(inputs.shape[1], dtype=np.int32), inputs.shape))
 
 
 def image_rows(length: int, offsets: np.ndarray, per_image: int, seq: int, slots: int) -> tuple[np.ndarray, ...]:
@@ -182,11 +187,7 @@ class ImagePackedSequences:
         mask = in_row & (targets != self.images.placeholder)
         if eod_id is not None:
             mask &= inputs != eod_id
-        if self.doc_mask and eod_id is not None:
-            segment_ids, positions = document_layout(inputs, eod_id)
-        else:
-            segment_ids = np.ones(inputs.shape, np.int32)
-            positions = np.broadcast_to(np.arange(self.seq, dtype=np.int32), inputs.shape).copy()
+        segment_ids, positions = row_layout(inputs, eod_id, self.doc_mask)
         segment_ids, positions = np.where(in_row, segment_ids, 0), np.where(in_row, positions, 0)
         pixels = np.zeros((len(indices), self.slots, *self.images.image_shape), np.float32)
         image_mask = np.zeros((len(indices), self.slots), bool)
