@@ -102,11 +102,12 @@ def _register_kernels(plan: Plan) -> None:
         import mxc.compiler.lower.splash  # noqa: F401  (registers the kernel with attention_core)
 
 
-def abstract_batch(batch: int, seq: int, images: tuple[int, int, int, int] | None = None) -> dict:
+def abstract_batch(batch: int, seq: int, images: tuple[int, ...] | None = None) -> dict:
     """The train and eval steps' batch as ShapeDtypeStructs, each [batch, seq]: inputs, targets,
     mask, and the packed documents' segment_ids and positions (runtime/data.py fills them); with
     `images` (slots, channels, height, width) also pixel_values [batch, slots, channels, height,
-    width] and image_mask [batch, slots]."""
+    width] and image_mask [batch, slots]; with tiled images (slots, tiles, channels, height, width)
+    also aspect_ratio_ids [batch, slots]."""
     shape = (batch, seq)
     out = {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32), "targets": jax.ShapeDtypeStruct(shape, jnp.int32),
            "mask": jax.ShapeDtypeStruct(shape, jnp.float32),
@@ -114,23 +115,27 @@ def abstract_batch(batch: int, seq: int, images: tuple[int, int, int, int] | Non
     if images is not None:
         out["pixel_values"] = jax.ShapeDtypeStruct((batch, *images), jnp.float32)
         out["image_mask"] = jax.ShapeDtypeStruct((batch, images[0]), jnp.bool_)
+        if len(images) == 5:
+            out["aspect_ratio_ids"] = jax.ShapeDtypeStruct((batch, images[0]), jnp.int32)
     return out
 
 
-def image_slots(spec: ModelSpec, images_per_row: int | None = None) -> tuple[int, int, int, int] | None:
-    """(slots, channels, height, width) of the batch's images: None for a model without a vision
-    tower (or zero slots); one slot per row unless told otherwise."""
+def image_slots(spec: ModelSpec, images_per_row: int | None = None) -> tuple[int, ...] | None:
+    """(slots, channels, height, width) of the batch's images, (slots, tiles, channels, height,
+    width) for a tiled tower: None for a model without a vision tower (or zero slots); one slot
+    per row unless told otherwise."""
     if spec.vision is None or images_per_row == 0:
         return None
     tower = spec.vision
-    return (1 if images_per_row is None else images_per_row, tower.patches.channels, tower.image, tower.image)
+    tiles = () if tower.tiles is None else (tower.tiles.max,)
+    return (1 if images_per_row is None else images_per_row, *tiles, tower.patches.channels, tower.image, tower.image)
 
 
 def batch_shardings(batch: dict, mesh: Mesh, rules) -> dict:
     """Token arrays split as (batch, seq); image arrays along their rows only."""
     tokens = named_sharding(("batch", "seq"), mesh, rules)
-    rows = {ndim: named_sharding(("batch",) + (None,) * (ndim - 1), mesh, rules) for ndim in (2, 5)}
-    return {key: tokens if key not in ("pixel_values", "image_mask") else rows[value.ndim]
+    token_keys = ("inputs", "targets", "mask", "segment_ids", "positions")
+    return {key: tokens if key in token_keys else named_sharding(("batch",) + (None,) * (value.ndim - 1), mesh, rules)
             for key, value in batch.items()}
 
 

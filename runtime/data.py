@@ -29,7 +29,8 @@ whose compiled steps take `slots` images per row (BatchLayout.images). Its rows 
 image's placeholder run lies whole in one row's inputs: a row ends before a run that would cross
 its end, or that would need more slots than the row has, and is padded (inputs the
 end-of-document id, mask 0, segment 0); the next row starts at that run. Row b's images fill its
-slots in order (pixel_values [batch, slots, C, H, W], image_mask [batch, slots]). Targets that are
+slots in order (pixel_values [batch, slots, C, H, W], image_mask [batch, slots]; tiled images
+[batch, slots, tiles, C, H, W] with aspect_ratio_ids [batch, slots]). Targets that are
 placeholders stay out of the loss: nothing can predict an image's soft tokens.
 
 Multi-host. The global batch is one jax.Array laid out as the train step expects; each process
@@ -58,7 +59,7 @@ class ImageLayout:
     image_mask [batch, slots], split along their rows."""
 
     slots: int
-    image: tuple[int, int, int]  # channels, height, width
+    image: tuple[int, ...]  # channels, height, width (tiles first for a tiled tower)
     pixel_sharding: jax.sharding.Sharding
     mask_sharding: jax.sharding.Sharding
 
@@ -191,12 +192,17 @@ class ImagePackedSequences:
         segment_ids, positions = np.where(in_row, segment_ids, 0), np.where(in_row, positions, 0)
         pixels = np.zeros((len(indices), self.slots, *self.images.image_shape), np.float32)
         image_mask = np.zeros((len(indices), self.slots), bool)
+        tiled = self.images.aspect_ratio_ids is not None
+        aspect_ratio_ids = np.zeros((len(indices), self.slots), np.int32)
         for r, (first, count) in enumerate(zip(self.first_image[indices], self.image_count[indices])):
             pixels[r, :count] = self.images.pixels[first:first + count]
             image_mask[r, :count] = True
+            if tiled:
+                aspect_ratio_ids[r, :count] = self.images.aspect_ratio_ids[first:first + count]
         return {"inputs": inputs.astype(np.int32), "targets": targets.astype(np.int32), "mask": mask,
                 "segment_ids": segment_ids.astype(np.int32), "positions": positions.astype(np.int32),
-                "pixel_values": pixels, "image_mask": image_mask}
+                "pixel_values": pixels, "image_mask": image_mask,
+                **({"aspect_ratio_ids": aspect_ratio_ids} if tiled else {})}
 
 
 def packed_sequences(tokens: TokenFile, layout: BatchLayout, *, vocab_size: int | None = None,
@@ -269,6 +275,8 @@ def global_batch(sequences: PackedSequences, order, layout: BatchLayout, first: 
         images = layout.images
         shapes = {"pixel_values": ((images.slots, *images.image), np.float32, images.pixel_sharding),
                   "image_mask": ((images.slots,), bool, images.mask_sharding)}
+        if len(images.image) == 4:  # tiles, channels, height, width: each image's tile arrangement too
+            shapes["aspect_ratio_ids"] = ((images.slots,), np.int32, images.mask_sharding)
 
         def image_rows_for(index, name):
             rows = rows_for(index)

@@ -2,7 +2,9 @@
 
 A token file `X.bin` (or `X.npy`) may have a sidecar folder `X.bin.images/` holding
     pixels.npy    [images, channels, height, width] float32 or float16: each image as the
-                  model's processor makes it (resized, rescaled, normalised)
+                  model's processor makes it (resized, rescaled, normalised); for a tiled tower
+                  (Llama 3.2 Vision) [images, tiles, channels, height, width], with
+    aspect_ratio_ids.npy  [images] int32: each image's arrangement of tiles (MllamaProcessor's id)
     offsets.npy   [images] int64, ascending: the token index in X.bin of the image's first
                   placeholder token
     meta.json     {"images": n, "placeholder": <token id>, "tokens_per_image": T,
@@ -37,6 +39,7 @@ class ImageFile:
     offsets: np.ndarray  # [images] int64
     placeholder: int
     tokens_per_image: int
+    aspect_ratio_ids: np.ndarray | None = None  # [images] int32, for tiled images only
 
     def __len__(self) -> int:
         return int(self.offsets.shape[0])
@@ -60,6 +63,8 @@ def open_images(tokens: TokenFile) -> ImageFile | None:
         meta = json.loads((folder / "meta.json").read_text())
         pixels = np.load(folder / "pixels.npy", mmap_mode="r")
         offsets = np.asarray(np.load(folder / "offsets.npy"), np.int64)
+        tiled = (folder / "aspect_ratio_ids.npy").exists()
+        aspect_ratio_ids = np.asarray(np.load(folder / "aspect_ratio_ids.npy"), np.int32) if tiled else None
     except (OSError, ValueError) as err:
         raise TokenFileError(f"{folder}: unreadable image sidecar: {err}") from None
     if meta.get("tokens_fingerprint") != tokens.fingerprint:
@@ -67,7 +72,8 @@ def open_images(tokens: TokenFile) -> ImageFile | None:
                              f"(fingerprint {str(meta.get('tokens_fingerprint'))[:12]}… there, "
                              f"{tokens.fingerprint[:12]}… here)")
     per_image, placeholder = int(meta["tokens_per_image"]), int(meta["placeholder"])
-    if pixels.ndim != 4 or offsets.ndim != 1 or len(pixels) != len(offsets) or len(offsets) != meta.get("images"):
+    if pixels.ndim != 4 + tiled or offsets.ndim != 1 or len(pixels) != len(offsets) \
+            or len(offsets) != meta.get("images") or (tiled and aspect_ratio_ids.shape != offsets.shape):
         raise TokenFileError(f"{folder}: pixels {list(pixels.shape)} and offsets {list(offsets.shape)} do not "
                              f"describe {meta.get('images')} images")
     if len(offsets) and (np.any(np.diff(offsets) < per_image) or offsets[0] < 0
@@ -80,7 +86,16 @@ def open_images(tokens: TokenFile) -> ImageFile | None:
     if int(np.count_nonzero(np.asarray(tokens.tokens) == placeholder)) != len(offsets) * per_image:
         raise TokenFileError(f"{folder}: the token file has placeholder tokens ({placeholder}) that belong "
                              f"to no image")
-    return ImageFile(folder, pixels, offsets, placeholder, per_image)
+    return ImageFile(folder, pixels, offsets, placeholder, per_image, aspect_ratio_ids)
+
+
+@dataclass(frozen=True)
+class TiledImage:
+    """An example's image for a tiled tower, as MllamaProcessor makes it: pixels [tiles, channels,
+    height, width] (padded to the tower's most tiles) and the id of its tiles' arrangement."""
+
+    pixels: np.ndarray
+    aspect_ratio_id: int
 
 
 def write_image_tokens(path: str | os.PathLike, examples: Iterable[Sequence[np.ndarray]], *, vocab_size: int,
@@ -89,14 +104,21 @@ def write_image_tokens(path: str | os.PathLike, examples: Iterable[Sequence[np.n
     """Writes a token file and its image sidecar; returns (tokens, images).
 
     Each example is a sequence of parts: a 1-D integer array is text (token ids), a 3-D array
-    [channels, height, width] an image, written as `begin`, T placeholders, `end` (the processor's
-    spelling; begin and end left out where None). An example ends with `eod_id`."""
-    tokens, images, offsets = [], [], []
+    [channels, height, width] or a TiledImage an image, written as `begin`, T placeholders, `end`
+    (the processor's spelling; begin and end left out where None). An example ends with `eod_id`.
+    A file's images are all plain or all tiled."""
+    tokens, images, offsets, aspect_ratio_ids = [], [], [], []
     count = 0
     for example in examples:
         for part in example:
-            part = np.asarray(part)
-            if part.ndim == 3:
+            tiled = isinstance(part, TiledImage)
+            if tiled:
+                aspect_ratio_ids.append(part.aspect_ratio_id)
+                if np.ndim(part.pixels) != 4:
+                    raise ValueError(f"a tiled image is [tiles, channels, height, width], "
+                                     f"got {list(np.shape(part.pixels))}")
+            part = np.asarray(part.pixels if tiled else part)
+            if part.ndim == 3 or tiled:
                 run = ([begin] if begin is not None else []) + [placeholder] * tokens_per_image \
                     + ([end] if end is not None else [])
                 offsets.append(count + (begin is not None))
@@ -109,6 +131,8 @@ def write_image_tokens(path: str | os.PathLike, examples: Iterable[Sequence[np.n
             count += len(part)
         tokens.append(np.asarray([eod_id], np.int64))
         count += 1
+    if aspect_ratio_ids and len(aspect_ratio_ids) != len(images):
+        raise ValueError("an image file's images are all tiled (TiledImage) or none")
     write_tokens(path, tokens, vocab_size=vocab_size, eod_id=eod_id, tokenizer=tokenizer)
     written = open_tokens(path)
     folder = sidecar_path(path)
@@ -117,6 +141,8 @@ def write_image_tokens(path: str | os.PathLike, examples: Iterable[Sequence[np.n
         pixels = np.stack(images) if images else np.zeros((0, 3, 1, 1), np.float32)
         np.save(temp / "pixels.npy", pixels)
         np.save(temp / "offsets.npy", np.asarray(offsets, np.int64))
+        if aspect_ratio_ids:
+            np.save(temp / "aspect_ratio_ids.npy", np.asarray(aspect_ratio_ids, np.int32))
         (temp / "meta.json").write_text(json.dumps(
             {"images": len(offsets), "placeholder": placeholder, "tokens_per_image": tokens_per_image,
              "tokens_fingerprint": written.fingerprint}, sort_keys=True))

@@ -27,22 +27,20 @@ def _shared_input(h: jax.Array) -> jax.Array:
 def block_layer_with_stats(block: Block, params: dict, x: jax.Array, positions: jax.Array, *,
                            cache: dict | None = None, cache_index: jax.Array | None = None,
                            cache_positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                           image_blocks: jax.Array | None = None, impl: str = "xla",
+                           image_blocks: jax.Array | None = None, cross_images=None, impl: str = "xla",
                            moe: MoEConfig = MoEConfig()) -> tuple[jax.Array, dict | None, MoEStats | None]:
     """(x after the layer, its updated cache slice, its MoEStats or None for a dense feed-forward).
     segment_ids [batch, seq]: the documents of a packed training sequence (attention stays inside each).
-    image_blocks [batch, seq]: each token's image, -1 for text (attention is bidirectional inside one)."""
-    if hasattr(image_blocks, "sees_image"):
-        # Llama 3.2 Vision: image_blocks carries the images (cross_attention.CrossImages) for the
-        # image layers; its self-attention layers see the text only.
+    image_blocks [batch, seq]: each token's image, -1 for text (attention is bidirectional inside one).
+    cross_images (cross_attention.CrossImages): Llama 3.2 Vision's images, which only its
+    cross_attention layers read."""
+    if isinstance(block.attention, CrossAttention):
+        if cross_images is None:
+            return x, cache, None  # no image: transformers skips the layer
         from mxc.compiler.lower.cross_attention import cross_block_layer
 
-        if isinstance(block.attention, CrossAttention):
-            x, cache = cross_block_layer(block, params, x, image_blocks, cache)
-            return x, cache, None
-        image_blocks = None
-    elif isinstance(block.attention, CrossAttention):
-        return x, cache, None  # no image: transformers skips the layer
+        x, cache = cross_block_layer(block, params, x, cross_images, cache)
+        return x, cache, None
     # Named so a remat policy can offload the layer's input (MaxText's main memory lever).
     x = checkpoint_name(x, "decoder_layer_input")
     h = _shared_input(apply_norm(block.norm, params["attention_norm"], x))

@@ -43,21 +43,31 @@ class CrossImages:
     # once the cross layers' keys and values are in the cache (decoding after serving_steps' prefill)
     visible: jax.Array  # [batch, seq, image tokens] bool: which image tokens each text token sees
     sees_image: jax.Array  # [batch, seq] bool: the mask row allows some tile
+    # [batch, seq] bool, or None for all: False where the token's document has no image, so the
+    # layer leaves it alone (a packed training row; transformers skips the layer for such a text)
+    takes_image: jax.Array | None = None
 
     def last_row(self) -> "CrossImages":
         """The mask for tokens decoded after the prompt: its last row, as transformers extends it."""
-        return CrossImages(self.states, self.visible[:, -1:], self.sees_image[:, -1:])
+        return CrossImages(self.states, self.visible[:, -1:], self.sees_image[:, -1:],
+                           None if self.takes_image is None else self.takes_image[:, -1:])
 
 
-def cross_images(spec: ModelSpec, params: dict, pixel_values, aspect_ratio_ids, aspect_ratio_mask,
-                 cross_attention_mask, dtype) -> CrossImages:
+def image_states(spec: ModelSpec, params: dict, pixel_values, aspect_ratio_ids, aspect_ratio_mask,
+                 dtype) -> jax.Array:
+    """The projected tiles of each row's images: [batch, images * tiles * tokens per tile, d_model]."""
     tower = spec.vision
     batch, images, tiles = pixel_values.shape[:3]
     vp = params["vision"]
     features = encode_tiles(tower, vp, pixel_values.reshape(batch * images, *pixel_values.shape[2:]),
                             aspect_ratio_ids.reshape(-1), aspect_ratio_mask.reshape(batch * images, tiles), dtype)
-    states = project_tiles(vp, features, dtype).reshape(batch, images * tiles * num_positions(tower), -1)
-    allowed = jnp.repeat(cross_attention_mask.astype(bool), num_positions(tower), axis=3)
+    return project_tiles(vp, features, dtype).reshape(batch, images * tiles * num_positions(tower), -1)
+
+
+def cross_images(spec: ModelSpec, params: dict, pixel_values, aspect_ratio_ids, aspect_ratio_mask,
+                 cross_attention_mask, dtype) -> CrossImages:
+    states = image_states(spec, params, pixel_values, aspect_ratio_ids, aspect_ratio_mask, dtype)
+    allowed = jnp.repeat(cross_attention_mask.astype(bool), num_positions(spec.vision), axis=3)
     allowed = allowed.reshape(*cross_attention_mask.shape[:2], -1)
     sees_image = allowed.any(axis=-1)
     return CrossImages(states, allowed | ~sees_image[..., None], sees_image)
@@ -95,6 +105,8 @@ def cross_block_layer(block: Block, params: dict, x: jax.Array, images: CrossIma
     out = project(context, ap["o"], "bshd,hde->bse", dtype)
     if att.gated:
         out = jnp.tanh(ap["attention_gate"].astype(jnp.float32)).astype(dtype) * out
+    if images.takes_image is not None:
+        out = out * images.takes_image[..., None].astype(dtype)
     x = constrain(x + out, RESIDUAL_AXES)
     h, _ = kind_of(block.mlp).apply(block.mlp, params["mlp"], apply_norm(block.norm, params["mlp_norm"], x), None)
     h = h * images.sees_image[..., None].astype(dtype)
@@ -106,7 +118,7 @@ def cross_block_layer(block: Block, params: dict, x: jax.Array, images: CrossIma
 def forward(spec: ModelSpec, params: dict, tokens: jax.Array, *, images: CrossImages | None = None,
             cache: dict | None = None, positions: jax.Array | None = None, dtype=None) -> tuple[jax.Array, dict | None]:
     """Float32 logits [batch, seq, vocab] and the new cache (model.forward's, for a model with
-    cross_attention layers); `images` reach the cross layers through run_segment's image slot."""
+    cross_attention layers); `images` reach the cross layers through run_segment's cross_images."""
     from mxc.compiler.lower.model import embed, logits_from_hidden, run_segment
 
     dtype = jnp.dtype(dtype or spec.compute_dtype)
@@ -122,7 +134,7 @@ def forward(spec: ModelSpec, params: dict, tokens: jax.Array, *, images: CrossIm
     for s, segment in enumerate(spec.layers):
         x, seg_cache, _ = run_segment(spec, segment, params["segments"][s], x, positions,
                                       cache=None if cache is None else cache["segments"][s],
-                                      cache_index=start, cache_positions=cache_positions, image_blocks=images)
+                                      cache_index=start, cache_positions=cache_positions, cross_images=images)
         new_segments.append(seg_cache)
     logits = logits_from_hidden(spec, params, x)
     if cache is None:

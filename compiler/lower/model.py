@@ -61,10 +61,11 @@ def output_head(spec: ModelSpec, params: dict, x: jax.Array) -> jax.Array:
 
 def run_segment(spec: ModelSpec, segment: Segment, params: list, x: jax.Array, positions: jax.Array, *,
                 cache: list | None = None, cache_index=None, cache_positions=None, segment_ids=None,
-                image_blocks=None, remat_policy=None, attention_impl: str = "xla",
+                image_blocks=None, cross_images=None, remat_policy=None, attention_impl: str = "xla",
                 moe: MoEConfig = MoEConfig()) -> tuple[jax.Array, list | None, list]:
     """Scan the segment's period over its stacked layers; returns (x, the segment's new cache,
-    its MoE statistics per period block)."""
+    its MoE statistics per period block). cross_images: Llama 3.2 Vision's images for its
+    cross_attention layers (cross_attention.CrossImages)."""
 
     def body(x, layer):
         layer_params, layer_cache = layer
@@ -74,7 +75,7 @@ def run_segment(spec: ModelSpec, segment: Segment, params: list, x: jax.Array, p
                                              cache=None if layer_cache is None else layer_cache[p],
                                              cache_index=cache_index, cache_positions=cache_positions,
                                              segment_ids=segment_ids, image_blocks=image_blocks,
-                                             impl=attention_impl, moe=moe)
+                                             cross_images=cross_images, impl=attention_impl, moe=moe)
             new_cache.append(c)
             stats.append(s)
         return x, (new_cache if layer_cache is not None else None, stats)
@@ -106,7 +107,7 @@ def decoder_hidden(spec: ModelSpec, params: dict, tokens: jax.Array, *, position
                    segment_ids: jax.Array | None = None, cache: dict | None = None, remat_policy=None,
                    attention_impl: str = "xla", pixel_values: jax.Array | None = None,
                    token_type_ids: jax.Array | None = None, image_mask: jax.Array | None = None,
-                   dtype=None, moe: MoEConfig = MoEConfig(), pipeline=None) -> tuple[jax.Array, dict | None, list]:
+                   aspect_ratio_ids: jax.Array | None = None, dtype=None, moe: MoEConfig = MoEConfig(), pipeline=None) -> tuple[jax.Array, dict | None, list]:
     """`forward_with_aux` up to the last layer's output x [batch, seq, embed], before the final
     norm: (x, new_cache, moe_stats). DeepSeek V3's multi-token prediction starts from it.
     pixel_values [images, channels, height, width] (a model with a vision tower): the encoded images
@@ -114,7 +115,9 @@ def decoder_hidden(spec: ModelSpec, params: dict, tokens: jax.Array, *, position
     [batch, seq] (1 for image tokens; default: the placeholders) marks the tokens that attend
     bidirectionally within their image where the tower's entry asks for it. A training batch's
     pixel_values are [batch, slots, channels, height, width] with image_mask [batch, slots]: each
-    row's placeholders take that row's images (image_slots.py)."""
+    row's placeholders take that row's images (image_slots.py); for Llama 3.2 Vision they are
+    [batch, slots, tiles, channels, height, width] with aspect_ratio_ids [batch, slots], and the
+    cross_attention layers read them (image_slots.cross_image_slots)."""
     dtype = jnp.dtype(dtype or spec.compute_dtype)
     batch, seq = tokens.shape
     start = 0 if cache is None else cache["index"]
@@ -126,8 +129,14 @@ def decoder_hidden(spec: ModelSpec, params: dict, tokens: jax.Array, *, position
     cache_positions = None
     if cache is not None:
         cache_positions = jax.lax.dynamic_update_slice(cache["positions"], positions, (0, start))
-    image_blocks = None
-    if pixel_values is not None and pixel_values.ndim == 5:
+    image_blocks = cross_images = None
+    if aspect_ratio_ids is not None:
+        from mxc.compiler.lower.image_slots import cross_image_slots
+
+        cross_images = cross_image_slots(spec, params, tokens, pixel_values, image_mask, aspect_ratio_ids,
+                                         segment_ids, dtype)
+        x = embed(spec, params, tokens, dtype)
+    elif pixel_values is not None and pixel_values.ndim == 5:
         from mxc.compiler.lower.image_slots import with_image_slots
 
         x, image_blocks = with_image_slots(spec, params, tokens, lambda p: embed(spec, p, tokens, dtype),
@@ -147,6 +156,8 @@ def decoder_hidden(spec: ModelSpec, params: dict, tokens: jax.Array, *, position
 
             if cache is not None:
                 raise ValueError("a pipeline runs training steps; a KV cache runs without one")
+            if cross_images is not None:
+                raise NotImplementedError("the pipeline does not pass images to cross_attention layers yet")
             x, seg_stats = pipelined_segment(spec, segment, params["segments"][s], x, positions, layout=pipeline,
                                              segment_ids=segment_ids, remat_policy=remat_policy,
                                              attention_impl=attention_impl, moe=moe)
@@ -157,7 +168,7 @@ def decoder_hidden(spec: ModelSpec, params: dict, tokens: jax.Array, *, position
                                               cache=None if cache is None else cache["segments"][s],
                                               cache_index=start, cache_positions=cache_positions,
                                               segment_ids=segment_ids, image_blocks=image_blocks,
-                                              remat_policy=remat_policy,
+                                              cross_images=cross_images, remat_policy=remat_policy,
                                               attention_impl=attention_impl, moe=moe)
         new_segments.append(seg_cache)
         moe_stats.append(seg_stats)

@@ -11,6 +11,8 @@ and, for rows that pack several documents (runtime/data.py; the compiled steps t
 and, for a model with a vision tower, a fixed number of image slots per row (image_slots.py):
     pixel_values float32 [batch, slots, channels, height, width]
     image_mask   bool    [batch, slots]: True where the slot holds an image
+and, for a tiled tower (Llama 3.2 Vision), pixel_values [batch, slots, tiles, channels, height, width] and
+    aspect_ratio_ids int32 [batch, slots]: each image's arrangement of tiles (0: none)
 
 A train step splits the batch into `microbatches` equal parts along the batch axis, accumulates
 gradients over them with lax.scan, and divides by the unmasked tokens of the whole batch, so
@@ -153,6 +155,7 @@ def model_loss_sums(spec: ModelSpec, *, remat: str = "none", attention_impl: str
                                               positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
                                               pixel_values=batch.get("pixel_values"),
                                               image_mask=batch.get("image_mask"),
+                                              aspect_ratio_ids=batch.get("aspect_ratio_ids"),
                                               attention_impl=attention_impl, moe=moe, pipeline=pipeline)
         sums = loss_sums(logits_from_hidden(spec, params, hidden), batch["targets"], batch["mask"],
                          z_loss_weight=z_loss_weight)

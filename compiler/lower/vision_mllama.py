@@ -55,6 +55,13 @@ from mxc.spec.ir import VisionTower
 PAD_MULTIPLE = 8  # transformers pads each tile's tokens to a multiple of 8
 
 
+def tile_counts(tower: VisionTower) -> tuple[int, ...]:
+    """How many tiles each aspect-ratio id stands for (0 for id 0, no image): the processor's
+    arrangements of up to `max` tiles, in its order (MllamaImageProcessor's supported aspect ratios)."""
+    most = tower.tiles.max
+    return (0,) + tuple(w * h for w in range(1, most + 1) for h in range(1, most + 1) if w * h <= most)
+
+
 def padded_tokens(tower: VisionTower) -> int:
     return -(-num_positions(tower) // PAD_MULTIPLE) * PAD_MULTIPLE
 
