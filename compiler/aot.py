@@ -202,6 +202,7 @@ def model_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig) -> 
 def serve_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig, params,
                     params_shardings) -> list[Traceable]:
     from mxc.compiler.lower.decode import cache_axes, init_cache, serving_steps
+    from mxc.compiler.lower.layer_layout import per_layer_abstract
     from mxc.compiler.lower.sharding import tree_shardings
 
     from mxc.compiler.quant.params import serving_params
@@ -211,6 +212,9 @@ def serve_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig, par
     batch, length = run.serve_batch, run.cache_len
     cache = jax.eval_shape(lambda: init_cache(spec, batch, length))
     cache_shardings = tree_shardings(cache_axes(spec), mesh, rules)
+    if plan.lowering_choices().per_layer_serving:  # CPUs: one array per layer (layer_layout.py)
+        params, params_shardings = per_layer_abstract(params, params_shardings)
+        cache, cache_shardings = per_layer_abstract(cache, cache_shardings)
     logits = named_sharding(("batch", "vocab"), mesh, rules)
     tokens = named_sharding(("batch", "seq"), mesh, rules)
     rows = named_sharding(("batch",), mesh, rules)

@@ -73,6 +73,7 @@ def teacher_forced_predictions(servable: Servable, params, tokens: np.ndarray, p
     tokens[:prefill + decode]: [decode + 1] ids. Tokens beyond the compiled prefill width enter the
     cache through decode steps, as the generation driver feeds a long prompt."""
     check_sizes(servable, len(tokens), prefill, decode)
+    params = servable.prepare(params)
     width = servable.prompt_len
     prefilled = min(prefill, width)
     prompt = np.zeros((servable.batch, width), np.int32)  # every row the same request

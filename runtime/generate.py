@@ -47,6 +47,9 @@ class Servable:
     prompt_len: int
     cache_len: int
     vocab_size: int
+    # A checkpoint's parameters (as abstract_params lays them out) -> those prefill and decode take:
+    # one array per layer where they were compiled so (compiler/lower/layer_layout.py).
+    prepare: Callable = lambda params: params  # noqa: E731
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class GenerationReport:
 
 
 def servable_from_program(program) -> Servable:
+    from mxc.compiler.lower.layer_layout import all_per_layer, per_layer_arrays, stacked_abstract
     from mxc.runtime.trainable import abstract_argument
 
     functions = program.functions
@@ -72,10 +76,13 @@ def servable_from_program(program) -> Servable:
     if missing:
         raise GenerationError(f"{program.directory} has no {' or '.join(missing)} function: compile it with --serve")
     run = program.manifest.run
+    abstract = abstract_argument(functions[PREFILL_FUNCTION], 0)
+    prepare = Servable.prepare  # as they are
+    if all_per_layer(abstract):  # compiled for one array per layer; checkpoints stay stacked
+        abstract, prepare = stacked_abstract(abstract), per_layer_arrays
     return Servable(prefill=functions[PREFILL_FUNCTION], decode=functions[DECODE_FUNCTION],
-                    abstract_params=abstract_argument(functions[PREFILL_FUNCTION], 0),
-                    batch=run["serve_batch"], prompt_len=run["prompt_len"], cache_len=run["cache_len"],
-                    vocab_size=program.manifest.spec["vocab"])
+                    abstract_params=abstract, batch=run["serve_batch"], prompt_len=run["prompt_len"],
+                    cache_len=run["cache_len"], vocab_size=program.manifest.spec["vocab"], prepare=prepare)
 
 
 def prompt_lengths(servable: Servable, prompts: np.ndarray, max_new: int) -> np.ndarray:
@@ -138,6 +145,7 @@ def generate(servable: Servable, params, prompts: np.ndarray, max_new: int, *,
     max_new new tokens per row, [requests, width + max_new]; timings). A group stopped early by
     `on_tokens` (a streaming caller at its end-of-sequence token) has PAD in the slots it did not fill."""
     lengths = prompt_lengths(servable, prompts, max_new)
+    params = servable.prepare(params)  # once per call; a caller serving many may prepare them itself
     requests, width = prompts.shape
     prompt_len = servable.prompt_len
     prefilled = np.minimum(lengths, prompt_len).astype(np.int32)

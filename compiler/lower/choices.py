@@ -36,6 +36,9 @@ class LoweringChoices:
     # "ragged_dot", and whether its exchange is jax.lax.ragged_all_to_all (XLA:CPU has none).
     grouped_matmul: str = "ragged_dot"
     ragged_all_to_all: bool = False
+    # Serving programs take one array per layer and run the layers one after another, without
+    # copying each layer's weights out of a stack at every decode step (layer_layout.py).
+    per_layer_serving: bool = False
 
     @classmethod
     def for_platform(cls, platform: str) -> "LoweringChoices":
@@ -45,7 +48,8 @@ class LoweringChoices:
         cpu, tpu = platform == "cpu", platform == "tpu"
         return cls(stacked_projections=tpu, interpret_kernels=not tpu,
                    canonical_weight_gradients=cpu, fused_cross_entropy=cpu, blocked_weight_conversion=cpu,
-                   grouped_matmul="megablox" if tpu else "ragged_dot", ragged_all_to_all=tpu)
+                   grouped_matmul="megablox" if tpu else "ragged_dot", ragged_all_to_all=tpu,
+                   per_layer_serving=cpu)
 
     def with_recorded(self, recorded: dict) -> "LoweringChoices":
         """These choices with those a plan file records (the rest stay the platform's)."""

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from mxc.compiler.kinds import kind_of
 from mxc.compiler.lower.attention_core import EMPTY_SLOT
+from mxc.compiler.lower.layer_layout import is_per_layer, per_layer
 from mxc.compiler.lower.model import decoder_hidden, forward, logits_from_hidden
 from mxc.compiler.quant import kv_cache
 from mxc.spec.ir import ModelSpec
@@ -107,7 +108,10 @@ def serving_steps(spec: ModelSpec, batch: int, cache_len: int, *, dtype=None,
         return cross_attention.serving_steps(spec, batch, cache_len, images, dtype=dtype)
 
     def run_prefill(params, tokens, lengths):
-        return prefill(spec, params, tokens, init_cache(spec, batch, cache_len, dtype), lengths=lengths,
+        cache = init_cache(spec, batch, cache_len, dtype)
+        if is_per_layer(params["segments"][0]):  # the cache follows the weights' layout (layer_layout.py)
+            cache = per_layer(cache)
+        return prefill(spec, params, tokens, cache, lengths=lengths,
                        dtype=dtype, attention_impl=attention_impl, images=images)
 
     def run_decode(params, tokens, cache):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from mxc.compiler.lower import attention, ffn
 from mxc.compiler.lower.block import RESIDUAL_AXES, block_layer_with_stats
+from mxc.compiler.lower.layer_layout import is_per_layer
 from mxc.compiler.lower.moe import MoEConfig
 from mxc.compiler.lower.norms import apply_norm
 from mxc.compiler.lower.projection import embedded, head_params, project, quantized_as_spec
@@ -82,8 +83,22 @@ def run_segment(spec: ModelSpec, segment: Segment, params: list, x: jax.Array, p
 
     if remat_policy is not None:
         body = jax.checkpoint(body, policy=remat_policy, prevent_cse=False)
+    if is_per_layer(params):  # serving on a CPU: one array per layer, no copies out of a stack
+        return _run_layers(body, params, x, cache)
     x, (new_cache, stats) = jax.lax.scan(body, x, (params, cache))
     return x, new_cache, stats
+
+
+def _run_layers(body, params: list, x: jax.Array, cache: list | None) -> tuple[jax.Array, list | None, list]:
+    """run_segment's scan as a Python loop over per-layer parameters and, where given, a per-layer
+    cache (layer_layout.py): a stacked cache would be copied whole at every layer's update."""
+    new_cache, stats = [], []
+    for index, layer_params in enumerate(params):
+        x, (layer_cache, layer_stats) = body(x, (layer_params, None if cache is None else cache[index]))
+        new_cache.append(layer_cache)
+        stats.append(layer_stats)
+    stats = jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *stats) if stats else stats
+    return x, None if cache is None else new_cache, stats
 
 
 def _pipelined_segment_index(spec: ModelSpec) -> int:

@@ -1,0 +1,55 @@
+"""Serving with one array per layer (compiler/lower/layer_layout.py), as CPU serving programs do,
+gives the tokens and logits of the stacked layout that checkpoints and training keep."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import numpy as np
+
+from mxc.compiler.lower.decode import serving_steps
+from mxc.compiler.lower.layer_layout import (all_per_layer, per_layer, per_layer_abstract, per_layer_arrays,
+                                             stacked_abstract)
+from mxc.compiler.lower.params import init_params
+from mxc.spec.load import load_model
+
+MODEL, PROMPT, CACHE, NEW = "llama3-tiny", 5, 16, 6
+
+
+def _greedy(spec, params, prompt):
+    prefill, decode = (jax.jit(f) for f in serving_steps(spec, 1, CACHE, dtype="float32"))
+    logits, cache = prefill(params, prompt, np.array([PROMPT], np.int32))
+    steps = [logits]
+    for _ in range(NEW):
+        logits, cache = decode(params, np.argmax(logits, -1).astype(np.int32), cache)
+        steps.append(logits)
+    return np.stack([np.asarray(s) for s in steps]), cache
+
+
+def test_per_layer_serving_matches_the_stacked_layers():
+    spec = load_model(MODEL)
+    params = init_params(spec, jax.random.key(1))
+    prompt = np.random.default_rng(0).integers(0, spec.vocab, (1, PROMPT)).astype(np.int32)
+    stacked_logits, stacked_cache = _greedy(spec, params, prompt)
+    layered = per_layer_arrays(params)
+    assert all_per_layer(layered) and not all_per_layer(params)
+    layered_logits, layered_cache = _greedy(spec, layered, prompt)
+    np.testing.assert_array_equal(np.argmax(layered_logits, -1), np.argmax(stacked_logits, -1))
+    np.testing.assert_allclose(layered_logits, stacked_logits, rtol=0, atol=0)
+    # The per-layer cache holds what the stacked cache holds, layer by layer.
+    restacked = jax.tree.map(lambda *layers: np.stack(layers), *layered_cache["segments"][0])
+    for got, want in zip(jax.tree.leaves(restacked), jax.tree.leaves(stacked_cache["segments"][0])):
+        np.testing.assert_allclose(got, want, rtol=0, atol=0)
+
+
+def test_the_abstract_layouts_convert_both_ways():
+    spec = load_model(MODEL)
+    shapes = jax.eval_shape(lambda: init_params(spec, jax.random.key(0)))
+    shardings = jax.tree.map(lambda _: None, shapes)
+    layered, _ = per_layer_abstract(shapes, shardings)
+    assert jax.tree.structure(layered) == jax.tree.structure(jax.eval_shape(per_layer, shapes))
+    back = stacked_abstract(layered)
+    assert [(a.shape, a.dtype) for a in jax.tree.leaves(back)] == [(a.shape, a.dtype) for a in jax.tree.leaves(shapes)]
