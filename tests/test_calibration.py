@@ -11,13 +11,13 @@ from mxc.compiler.plan.calibration import FITTED, calibration_rows, leave_one_ou
 
 # Each row's (in-sample, left-out) relative error of the estimated MFU, as docs/plans.md shows them.
 LEAVE_ONE_OUT = {
-    "Llama 3.1 8B, v6e-256": (-0.003, -0.096),
-    "Llama 3.1 70B, v6e-256": (0.115, 0.186),
-    "Llama 3.1 405B, 2 x v6e-256": (0.027, 0.053),
-    "Mixtral 8x7B, v6e-256": (-0.132, -0.173),
-    "Llama 2 70B, v5p-512": (-0.003, -0.010),
+    "Llama 3.1 8B, v6e-256": (0.023, 0.148),
+    "Llama 3.1 70B, v6e-256": (0.091, 0.143),
+    "Llama 3.1 405B, 2 x v6e-256": (0.001, -0.001),
+    "Mixtral 8x7B, v6e-256": (-0.087, -0.116),
+    "Llama 2 70B, v5p-512": (-0.022, -0.052),
 }
-# What the issue asks of every row, left out; rows over it are named in docs/plans.md.
+# What the issue asks of every row, in sample and left out.
 TARGET = 0.15
 
 
@@ -46,10 +46,11 @@ def test_every_published_row_has_compiled_terms():
     assert {r.name for r in rows} == {r["name"] for r in published_rows()}
 
 
-def test_in_sample_within_the_target():
+def test_in_sample_and_left_out_within_the_target():
     _, _, _, table = _fitted()
     for v in table:
         assert abs(v.in_sample_error) <= TARGET, v
+        assert abs(v.left_out_error) <= TARGET, v
 
 
 @pytest.mark.parametrize("name", ["matmul", "hbm", "link", "overlap"])

@@ -177,3 +177,31 @@ def test_an_update_in_place_moves_the_update_not_the_buffer():
     # One row written into an 8-row buffer: the row read and written, the index; not 2 x 32 KiB.
     cost = hlo_cost.program_cost(IN_PLACE_UPDATE, 1)
     assert cost.hbm_bytes == 2 * 1024 * 4 + 4
+
+
+@pytest.mark.parametrize("lhs_dilation, stride, rhs_dilation", [(8, 7, 1), (3, 2, 1), (1, 2, 1)])
+def test_convolution_flops_skip_the_holes_of_a_dilated_input(lhs_dilation, stride, rhs_dilation):
+    # TPU programs write a matmul batched over experts as a convolution whose input is dilated by
+    # the batch size (Mixtral's expert einsums); a kernel tap that lands between two input elements
+    # multiplies nothing, and XLA's cost analysis does not count it.
+    import jax
+    import jax.numpy as jnp
+
+    conv = jax.jit(lambda a, b: jax.lax.conv_general_dilated(
+        a, b, window_strides=(stride,), padding=[(1, 0)], lhs_dilation=(lhs_dilation,),
+        rhs_dilation=(rhs_dilation,), dimension_numbers=("NWC", "WIO", "NWC")))
+    compiled = conv.lower(jnp.ones((2, 8, 16)), jnp.ones((8, 16, 32))).compile()
+    xla = compiled.cost_analysis()
+    xla = xla[0] if isinstance(xla, list) else xla
+    computations, _ = hlo_cost.parse_module(compiled.as_text())
+    ours = sum(hlo_cost.instruction_flops(i, c) for c in computations.values() for i in c.instructions)
+    assert ours == xla["flops"]
+
+
+def test_host_link_follows_the_chips_pcie_generation():
+    # v6e connects to its host through PCIe Gen5 (Google's v6e page), the others through Gen4:
+    # the offloaded activations of the v6e rows in tests/data/calibration_terms.json are sized so.
+    from mxc.compiler.plan.cost import host_bandwidth
+    from mxc.compiler.topology import parse
+
+    assert host_bandwidth(parse("v6e-256").chip) == 2 * host_bandwidth(parse("v5p-512").chip) == 64e9

@@ -35,9 +35,17 @@ from mxc.spec.ir import MoE
 # AdamW's update reads parameter, gradient and both moments and writes three of them back.
 UPDATE_ACCESSES = 7
 # Host memory behind each chip, per direction: a PCIe 4.0 x16 link (PCI-SIG: 16 GT/s x 16 lanes,
-# about 32 GB/s). An assumption about the hosts, not a chip datasheet figure: offloaded
-# activations are charged at this rate, overlapped with compute.
+# about 32 GB/s), and PCIe 5.0 (32 GT/s, about 64 GB/s at x16) where the chip's page says it
+# connects to its host through PCIe Gen5 (Google's v6e page). The lane count is an assumption
+# about the hosts, not a datasheet figure: offloaded activations are charged at this rate,
+# overlapped with compute.
 HOST_BANDWIDTH = 32e9
+HOST_BANDWIDTH_BY_CHIP = {"v6e": 64e9}
+
+
+def host_bandwidth(chip) -> float:
+    """Bytes/s per direction between one chip and its host's memory."""
+    return HOST_BANDWIDTH_BY_CHIP.get(chip.name, HOST_BANDWIDTH)
 
 
 def _matmul_flops_per_token(block, d_model: int) -> dict[str, float]:
@@ -200,7 +208,7 @@ def host_seconds(choice: Choice) -> float:
     spec = choice.spec
     host = sum(count * layer_bytes(name, choice, choice.remat)[1]
                for name, count in layer_counts(spec).items())
-    return 2 * host * choice.microbatches / HOST_BANDWIDTH
+    return 2 * host * choice.microbatches / host_bandwidth(choice.topology.chip)
 
 
 def step_time(choice: Choice, constants=None) -> StepTime:
@@ -315,7 +323,7 @@ def program_terms(program, places, chip, model_flops: float, tokens: float, extr
     if extra_flops:
         merged[(extra_flops, 0.0)] = merged.get((extra_flops, 0.0), 0) + 1
     return ProgramTerms(tuple((f, b, n) for (f, b), n in sorted(merged.items())), exposed, hidden,
-                        program.host_bytes / HOST_BANDWIDTH, by_kind, chip.peak_bf16_flops,
+                        program.host_bytes / host_bandwidth(chip), by_kind, chip.peak_bf16_flops,
                         chip.hbm_bandwidth, model_flops, tokens, len(places), stages, microbatches)
 
 
