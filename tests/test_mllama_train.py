@@ -221,3 +221,44 @@ def test_the_steps_loss_equals_the_forward_pass_document_by_document(tmp_path, s
     assert float(metrics["loss"]) == pytest.approx(_reference_loss(spec, state.params, rows), abs=1e-5)
     # the tower learns through the cross layers
     assert not np.array_equal(state.params["vision"]["projector"]["kernel"], after.params["vision"]["projector"]["kernel"])
+
+
+@pytest.mark.slow  # a cpu-8 compile and 30 steps: a few minutes under load
+def test_a_tiny_mllama_plans_compiles_for_cpu8_and_trains_with_a_falling_loss(tmp_path):
+    from runtime_support import MXC, cpu_env, read_metrics, run_command
+
+    (tmp_path / "tiny.mspec").write_text(TINY)
+    model = f"{tmp_path / 'tiny.mspec'}:mllama-tiny"
+    # Data parallel, as for Gemma 3 (XLA:CPU's collectives deadlock with fsdp over a tower; docs/multimodal.md).
+    planned = subprocess.run([MXC, "plan", model, "--topology", "cpu-8", "--seq", "16", "--batch", "8",
+                              "--pin", "data=8", "--json"], env=cpu_env(8), capture_output=True, text=True,
+                             timeout=900)
+    assert planned.returncode == 0, planned.stderr[-4000:]
+    done = subprocess.run([MXC, "compile", model, "--topology", "cpu-8", "--seq", "16", "--batch", "8",
+                           "--pin", "data=8", "--images-per-row", "2", "--functions", "init,train_step",
+                           "-o", str(tmp_path / "artifact")], env=cpu_env(8), capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    manifest = json.loads((tmp_path / "artifact" / "manifest.json").read_text())
+    shapes = {tuple(leaf["path"][1:]): leaf["shape"] for leaf in manifest["functions"]["train_step"]["inputs"]
+              if leaf["path"][0] == 1}
+    assert shapes[("pixel_values",)] == [8, 2, TILES, 3, 8, 8] and shapes[("aspect_ratio_ids",)] == [8, 2]
+
+    # Captions a model can only get right by looking: the image's brightness names the words.
+    rng = np.random.default_rng(4)
+    examples = []
+    for _ in range(200):
+        label, ratio = int(rng.integers(0, 4)), int(rng.integers(1, 4))
+        pixels = np.zeros((TILES, 3, 8, 8), np.float32)
+        pixels[:TILE_COUNTS[ratio]] = rng.standard_normal((TILE_COUNTS[ratio], 3, 8, 8)) * 0.1 + (label - 1.5)
+        examples.append([np.asarray([1, 2]), TiledImage(pixels, ratio),
+                         np.asarray([20 + label, 30 + label, 40 + label])])
+    _write(tmp_path / "pairs.bin", examples)
+    steps = 30
+    done = subprocess.run(run_command(tmp_path / "artifact", tmp_path / "pairs.bin", tmp_path / "ckpt", steps=steps,
+                                      metrics=tmp_path / "metrics.jsonl",
+                                      extra=["--learning-rate", "1e-2", "--warmup-steps", "2"]),
+                          env=cpu_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    losses = np.array([r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")])
+    assert len(losses) == steps and losses[-5:].mean() < losses[:5].mean() - 1.0, losses
