@@ -79,7 +79,10 @@ def servable_from_program(program) -> Servable:
     abstract = abstract_argument(functions[PREFILL_FUNCTION], 0)
     prepare = Servable.prepare  # as they are
     if all_per_layer(abstract):  # compiled for one array per layer; checkpoints stay stacked
-        abstract, prepare = stacked_abstract(abstract), per_layer_arrays
+        shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract)
+        # Placed with the executable's own shardings, so that no call places them again.
+        abstract, prepare = stacked_abstract(abstract), lambda params: jax.device_put(per_layer_arrays(params),
+                                                                                      shardings)
     return Servable(prefill=functions[PREFILL_FUNCTION], decode=functions[DECODE_FUNCTION],
                     abstract_params=abstract, batch=run["serve_batch"], prompt_len=run["prompt_len"],
                     cache_len=run["cache_len"], vocab_size=program.manifest.spec["vocab"], prepare=prepare)
