@@ -137,6 +137,41 @@ def test_saved_plan_with_stages_round_trips(tmp_path):
         Plan.model_validate(broken)
 
 
+
+def test_a_stage_pays_the_collectives_of_its_own_layers_only():
+    """The formula charges every device the FSDP gathers and per-layer collectives of the whole
+    model for every microbatch; with stages a device gathers its stage's layers per microbatch
+    and the other weights (embedding, head) once a step, and runs 1/stages of the layers."""
+    from mxc.compiler.plan import cost, stages
+    from mxc.compiler.plan.choice import Choice
+    from mxc.compiler.plan.layout import parameters
+    from mxc.compiler.plan.plan import MESH_AXES
+    from mxc.compiler.plan.rules import make_rules
+    from mxc.compiler.topology import parse
+    from mxc.spec.load import load_model
+
+    spec = load_model("llama3.1-70b")
+    params = parameters(spec)
+    mesh = {axis: 1 for axis in MESH_AXES} | {"stage": 2, "fsdp": 16, "tensor": 2}
+    rules = stages.with_stage_rules(make_rules(mesh, params.tensors)[0], mesh, params.tensors)
+    assert rules["layers"] == ("stage",)
+    microbatches = 4
+    choice = Choice(spec, params, parse("v5p-64"), mesh, {}, rules, 4096, 64, microbatches, "full", "xla")
+    plain = cost.step_time(choice)
+    staged = stages.adjust_time(choice, plain)
+    # Independently: the parameters of the 80 layers (one segment, all pipelined) and the rest.
+    layers = sum(t.size for t in params.tensors if t.path.startswith("segments/"))
+    rest = params.size - layers
+    share = (microbatches * layers / 2 + rest) / (microbatches * params.size)
+    assert 0.45 < share < 0.55
+    for name in ("fsdp all-gather", "fsdp reduce-scatter"):
+        assert staged.communication[name] == pytest.approx(plain.communication[name] * share, rel=1e-3)
+    assert staged.communication["tensor all-reduce"] == pytest.approx(plain.communication["tensor all-reduce"] / 2,
+                                                                     rel=1e-3)
+    assert staged.communication["stage collective-permute"] > 0
+    assert staged.bubble_fraction == pytest.approx(1 / 5)
+
+
 if __name__ == "__main__":
     import sys
 

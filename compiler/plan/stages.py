@@ -121,6 +121,46 @@ def adjust_memory(choice, predicted: Memory) -> Memory:
     })
 
 
+def _gathered_shares(choice, pipeline: Pipeline) -> tuple[float, float, float]:
+    """The bytes cost.communication gathers over FSDP per microbatch, split into (the pipelined
+    layers, the pipelined segment's layers left after them, everything else)."""
+    prefix = f"segments/{pipeline.segment}/"
+    piped = left = other = 0.0
+    for t in choice.params.tensors:
+        whole = choice.local(t.shape, t.axes) * choice.gather_factor(t.axes)
+        if t.path.startswith(prefix) and "layers" in t.axes:
+            stack = t.shape[t.axes.index("layers")]
+            piped += whole * pipeline.layers / stack
+            left += whole * (stack - pipeline.layers) / stack
+        else:
+            other += whole
+    return piped, left, other
+
+
+# Collectives cost.communication charges per layer a device runs, for every layer of the model.
+PER_LAYER_COLLECTIVES = ("tensor all-reduce", "expert all-to-all", "context all-gather")
+FSDP_COLLECTIVES = ("fsdp all-gather", "fsdp reduce-scatter")
+
+
+def _stage_communication(choice, time: StepTime, pipeline: Pipeline) -> dict[str, float]:
+    """cost.communication's terms as a device with stages pays them outside the bubble. The
+    formula charges every device the collectives of every layer for every microbatch; a stage
+    runs only its share of the pipelined layers: its FSDP gathers and reduce-scatters move its
+    layers' weights (per microbatch pass, 1/stages of them) and the layers left after the
+    pipeline (per microbatch), the other weights (embedding, head, other segments) once a step
+    (no gradient accumulation beside the pipeline), and the per-layer activation collectives
+    shrink the same way. The bubble is charged separately (the step divided by 1 - bubble)."""
+    microbatches, stages = choice.microbatches, pipeline.stages
+    piped, left, other = _gathered_shares(choice, pipeline)
+    whole = microbatches * (piped + left + other)
+    fsdp = (microbatches * (piped / stages + left) + other) / whole if whole else 1.0
+    blocks = len(choice.spec.layers[pipeline.segment].period) * pipeline.layers
+    layers = choice.spec.num_layers
+    per_layer = (blocks / stages + layers - blocks) / layers
+    return {k: v * fsdp if k in FSDP_COLLECTIVES else v * per_layer if k in PER_LAYER_COLLECTIVES else v
+            for k, v in time.communication.items()}
+
+
 def adjust_time(choice, time: StepTime) -> StepTime:
     """cost.step_time's estimate for a plan with stages (module docstring)."""
     from mxc.compiler.plan.activations import RECOMPUTED
@@ -131,6 +171,8 @@ def adjust_time(choice, time: StepTime) -> StepTime:
     if stages == 1:
         return time
     layout = pipeline_for(choice.spec, stages, choice.microbatches)
+    communication = _stage_communication(choice, time, layout)
+    saved = sum(time.communication.values()) - sum(communication.values())  # all on the critical path
     iterations = choice.microbatches + stages - 1
     passes = 3 if RECOMPUTED[choice.remat] else 2
     # A collective-permute over the stage axis moves one buffer over one hop: a ring pass over two.
@@ -138,12 +180,13 @@ def adjust_time(choice, time: StepTime) -> StepTime:
                                dcn={**choice.dcn, STAGE_AXIS: 2} if choice.dcn.get(STAGE_AXIS, 1) > 1 else choice.dcn),
                        (STAGE_AXIS,), 2 * _residual_bytes(choice))
     permute = passes * iterations * hop / FITTED.link
-    step = (time.step_s + permute) / (1 - layout.bubble_fraction)
+    step = (time.step_s - saved + permute) / (1 - layout.bubble_fraction)
     scale = time.step_s / step
     return time.model_copy(update={
-        "communication_s": time.communication_s + permute,
-        "exposed_communication_s": time.exposed_communication_s + permute,
-        "communication": {**time.communication, "stage collective-permute": round(permute, 6)},
+        "communication_s": time.communication_s - saved + permute,
+        "exposed_communication_s": time.exposed_communication_s - saved + permute,
+        "communication": {**{k: round(v, 6) for k, v in communication.items()},
+                          "stage collective-permute": round(permute, 6)},
         "step_s": step, "tokens_per_s": time.tokens_per_s * scale,
         "tokens_per_s_per_device": time.tokens_per_s_per_device * scale, "mfu": time.mfu * scale,
         "bubble_fraction": layout.bubble_fraction})
