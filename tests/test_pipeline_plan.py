@@ -172,6 +172,47 @@ def test_a_stage_pays_the_collectives_of_its_own_layers_only():
     assert staged.bubble_fraction == pytest.approx(1 / 5)
 
 
+
+def test_maxtext_pipeline_settings_become_a_plan_with_stages():
+    from mxc.compiler.plan.maxtext import MaxTextError, parse_pairs, plan_setting
+    from mxc.compiler.topology import parse
+    from mxc.spec.load import load_model
+
+    spec, topology = load_model("llama3.1-70b"), parse("v5p-64")
+    base = ["per_device_batch_size=2", "max_target_length=4096", "remat_policy=full"]
+
+    def planned(extra):
+        return plan_setting(spec, topology, parse_pairs(base + extra), verify=False)
+
+    plan = planned(["ici_pipeline_parallelism=4", "ici_fsdp_parallelism=-1", "num_pipeline_microbatches=8",
+                    "num_layers_per_pipeline_stage=20"])
+    assert plan.mesh["stage"] == 4 and plan.mesh["fsdp"] == 8 and plan.microbatches == 8  # 32 chips
+    assert plan.pipeline.model_dump() == {"stages": 4, "microbatches": 8, "repeats": 1, "segment": 0, "layers": 80,
+                                          "bubble_fraction": pytest.approx(3 / 11)}
+    assert plan.rules["layers"] == ["stage"]  # each stage holds its own 20 layers
+    assert plan.time.bubble_fraction == pytest.approx(3 / 11)
+    assert any("4 stages, 20 layers each" in r for r in plan.reasons)
+    # MaxText's default num_pipeline_microbatches (-1) is one per stage.
+    assert planned(["dcn_pipeline_parallelism=1", "ici_pipeline_parallelism=2",
+                    "num_layers_per_pipeline_stage=40"]).microbatches == 2
+    refused = {
+        "repeats": (["ici_pipeline_parallelism=4"], "1 \\(MaxText's default\\) asks for 20 repeats"),
+        "subset": (["ici_pipeline_parallelism=4", "num_layers_per_pipeline_stage=20", "pipeline_parallel_layers=64"],
+                   "pipelines the first 80 layers"),
+        "accumulation": (["ici_pipeline_parallelism=4", "num_layers_per_pipeline_stage=20",
+                          "gradient_accumulation_steps=2"], "takes every microbatch"),
+        "microbatches": (["ici_pipeline_parallelism=4", "num_layers_per_pipeline_stage=20",
+                          "num_pipeline_microbatches=5"], "does not divide the batch of 64"),
+    }
+    for name, (extra, message) in refused.items():
+        with pytest.raises(MaxTextError, match=message):
+            planned(extra)
+    # Without stages the pipeline keys change nothing, and are listed as ignored.
+    flat = planned(["num_pipeline_microbatches=8"])
+    assert flat.mesh["stage"] == 1 and flat.microbatches == 1
+    assert any("ignored" in r and "num_pipeline_microbatches" in r for r in flat.reasons)
+
+
 if __name__ == "__main__":
     import sys
 

@@ -33,7 +33,7 @@ def test_values_are_read_as_maxtext_writes_them():
 
 def test_a_published_recipe_becomes_its_mesh_batch_and_policy():
     s = _setting("llama3.1-8b", "v6e-256", LLAMA_8B_RECIPE)
-    assert s.mesh == {"data": 1, "fsdp": 256, "context": 1, "expert": 1, "tensor": 1} and s.dcn == {}
+    assert s.mesh == {"stage": 1, "data": 1, "fsdp": 256, "context": 1, "expert": 1, "tensor": 1} and s.dcn == {}
     assert (s.seq, s.batch, s.microbatches) == (8192, 1024, 1)
     assert s.remat == ("custom:decoder_layer_input=offload,query_proj=offload,key_proj=offload,"
                        "value_proj=offload,out_proj=offload")

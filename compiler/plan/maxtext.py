@@ -58,8 +58,9 @@ IGNORED = frozenset({
 SAME_AS_MXC = {"scan_layers": True, "dtype": "bfloat16", "weight_dtype": "float32", "opt_type": "adamw",
                "quantization": "", "fused_qkv": None, "fused_mlp": None}
 MOE_KEYS = ("capacity_factor", "megablox", "sparse_matmul")
+PIPELINE_KEYS = ("num_pipeline_microbatches", "num_layers_per_pipeline_stage", "pipeline_parallel_layers")
 USED = ("per_device_batch_size", "remat_policy", "max_target_length", "gradient_accumulation_steps",
-        "num_pipeline_microbatches", "attention", *MOE_KEYS)
+        "attention", *PIPELINE_KEYS, *MOE_KEYS)
 
 
 class MaxTextError(ValueError):
@@ -138,10 +139,10 @@ def setting(params: dict[str, object], spec, topology, *, seq: int | None = None
     mesh, dcn = _mesh(params, axes_keys, topology, notes)
     seq = _seq(params, spec, seq, notes)
     steps = _positive_int(params, "gradient_accumulation_steps", 1)
-    if "num_pipeline_microbatches" in params:
-        _positive_int(params, "num_pipeline_microbatches", 1)
-        ignored.append("num_pipeline_microbatches")
-        notes.append("num_pipeline_microbatches: no pipeline stages, so it does not change the program")
+    given = [k for k in PIPELINE_KEYS if k in params]
+    if mesh["stage"] == 1 and given:
+        ignored.extend(given)
+        notes.append(f"{', '.join(given)}: no pipeline stages, so they do not change the program")
     per_device = params.get("per_device_batch_size")
     if batch is None:
         if per_device is None:
@@ -162,9 +163,54 @@ def setting(params: dict[str, object], spec, topology, *, seq: int | None = None
     if steps > 1:
         notes.append(f"gradient_accumulation_steps {steps}: {steps} microbatches")
     remat = _remat(params, remat_keys, notes)
+    microbatches = steps if mesh["stage"] == 1 else _pipeline(params, spec, mesh["stage"], steps, batch, remat, notes)
     attention = _attention(params, topology, seq, mesh, notes, ignored)
     experts = _experts(params, moe, topology, notes, ignored)
-    return Setting(seq, batch, mesh, dcn, remat, steps, attention, experts, notes, sorted(ignored))
+    return Setting(seq, batch, mesh, dcn, remat, microbatches, attention, experts, notes, sorted(ignored))
+
+
+def _pipeline(params, spec, stages: int, steps: int, batch: int, remat: str, notes: list[str]) -> int:
+    """MaxText's pipeline keys -> the plan's microbatches; what mxc's pipeline cannot run as
+    written is refused: its plans run one repeat (each stage a contiguous block of layers) and
+    every microbatch through the pipeline, on device."""
+    from mxc.compiler.lower.remat import needs_host_memory
+    from mxc.compiler.plan.stages import pipelined_layers
+
+    if steps > 1:
+        raise MaxTextError(f"gradient_accumulation_steps {steps} with pipeline stages: mxc's pipeline takes every "
+                           "microbatch of the batch (set num_pipeline_microbatches instead)")
+    if needs_host_memory(remat):
+        raise MaxTextError("remat_policy with offloading and pipeline stages: mxc's pipeline rematerialises whole "
+                           "iterations on device and offloads nothing")
+    microbatches = params.get("num_pipeline_microbatches", -1)
+    if microbatches == -1:  # MaxText's default: one microbatch per stage
+        microbatches = stages
+        notes.append(f"num_pipeline_microbatches -1: {stages} microbatches, one per stage")
+    else:
+        microbatches = _positive_int(params, "num_pipeline_microbatches", 1)
+        notes.append(f"num_pipeline_microbatches {microbatches}: {microbatches} microbatches through the pipeline")
+    if batch % microbatches:
+        raise MaxTextError(f"num_pipeline_microbatches {microbatches} does not divide the batch of {batch}")
+    segment, layers = pipelined_layers(spec)
+    blocks = len(spec.layers[segment].period)  # a segment's layer repeats a period of blocks
+    per_stage = layers // stages
+    if per_stage < 1:
+        raise MaxTextError(f"{stages} pipeline stages for {layers} layers: a stage needs a layer")
+    # MaxText's default, 1 layer per stage, runs layers / stages repeats of the stages.
+    given = _positive_int(params, "num_layers_per_pipeline_stage", 1)
+    if given != per_stage * blocks:
+        default = "" if "num_layers_per_pipeline_stage" in params else " (MaxText's default)"
+        raise MaxTextError(f"num_layers_per_pipeline_stage {given}{default} asks for {layers * blocks // (stages * given)} "
+                           f"repeats of the {stages} pipeline stages; mxc's plans run one repeat: set "
+                           f"--maxtext num_layers_per_pipeline_stage={per_stage * blocks} for {stages} stages")
+    pipelined = per_stage * stages * blocks
+    subset = params.get("pipeline_parallel_layers", -1)
+    if subset not in (-1, pipelined):
+        raise MaxTextError(f"--maxtext pipeline_parallel_layers={subset}: mxc pipelines the first {pipelined} layers "
+                           f"of the largest segment ({layers * blocks}) for {stages} stages")
+    notes.append(f"pipeline: {stages} stages, {per_stage * blocks} layers each, one repeat; "
+                 f"{layers * blocks - pipelined} layers after the pipeline")
+    return microbatches
 
 
 def _positive_int(params, key: str, default: int) -> int:
@@ -228,7 +274,7 @@ def _mesh(params, keys, topology, notes: list[str]) -> tuple[dict[str, int], dic
             raise MaxTextError(f"the {level} axes multiply to {math.prod(given.values())}, not the {total} "
                                f"{'devices of a slice' if level == 'ici' else 'slices'} of {topology.name}")
         sizes[level] = given
-    mesh = {"data": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1}
+    mesh = {"stage": 1, "data": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1}
     dcn: dict[str, int] = {}
     for level in ("ici", "dcn"):
         for name, value in sizes[level].items():
@@ -238,9 +284,6 @@ def _mesh(params, keys, topology, notes: list[str]) -> tuple[dict[str, int], dic
             if target is None:
                 raise MaxTextError(f"--maxtext {level}_{name}_parallelism={value}: {why}, which mxc's train "
                                    "step does not have")
-            if target == "stage":
-                raise MaxTextError(f"--maxtext {level}_{name}_parallelism={value}: pipeline stages are not "
-                                   "compiled by mxc yet")
             mesh[target] *= value
             if level == "dcn":
                 dcn[target] = dcn.get(target, 1) * value

@@ -18,7 +18,7 @@ from mxc.compiler.plan.explain import Verdicts
 from mxc.compiler.plan.layout import parameters
 from mxc.compiler.plan.plan import MESH_AXES, Lowering, Plan, Verification, spec_hash
 from mxc.compiler.plan.rules import SEQUENCE_PARALLEL, make_rules
-from mxc.compiler.plan.stages import pipeline_for
+from mxc.compiler.plan.stages import pipeline_for, with_stage_rules
 from mxc.compiler.topology import Topology
 from mxc.spec.ir import ModelSpec
 
@@ -106,6 +106,7 @@ def evaluate(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, mesh:
     if dcn is None and topology.slices > 1:
         dcn = {next(a for a in ("data", "fsdp") if sizes[a] % topology.slices == 0): topology.slices}
     rules, notes = make_rules(sizes, params.tensors, {k: tuple(v) for k, v in spec.shard.items()})
+    rules = with_stage_rules(rules, sizes, params.tensors)  # a recipe's pipeline stages
     if sequence_parallel:  # the residual stream's sequence split over tensor too
         rules["residual_seq"] = SEQUENCE_PARALLEL
     choice = Choice(spec, params, topology, sizes, dict(dcn or {}), rules, seq, batch, microbatches, remat,
