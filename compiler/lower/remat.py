@@ -31,6 +31,10 @@ OUT_PROJ = "out_proj"  # after attention's output projection
 MLPWI = "mlpwi"  # the feed-forward's up (and gate) projections, before the activation
 MLPWO = "mlpwo"  # after the feed-forward's down projection
 CHECKPOINT_NAMES = (DECODER_LAYER_INPUT, QUERY_PROJ, KEY_PROJ, VALUE_PROJ, CONTEXT, OUT_PROJ, MLPWI, MLPWO)
+# A weight product with a hand-written backward pass (weight_gradients.py, CPU plans) is a custom
+# VJP, not a dot_general, so the dot-saving policies would not see it: it carries this name, and
+# they save it as they save the plain products.
+WEIGHT_PRODUCT = "weight_product"
 
 _QKV = (QUERY_PROJ, KEY_PROJ, VALUE_PROJ)
 CUSTOM = "custom"
@@ -141,7 +145,9 @@ def policy(name: str, *, host: bool = True) -> Callable | None:
             dots = jax.checkpoint_policies.offload_dot_with_no_batch_dims(offload_src="device",
                                                                            offload_dst="pinned_host")
         else:
-            dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+            dots = jax.checkpoint_policies.save_from_both_policies(
+                jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                jax.checkpoint_policies.save_only_these_names(WEIGHT_PRODUCT))
         if not kept.device:
             return dots
         return jax.checkpoint_policies.save_from_both_policies(

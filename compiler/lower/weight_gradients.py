@@ -26,6 +26,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 _SPARE_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
@@ -119,7 +120,8 @@ def weight_product(pattern: str, x: jax.Array, kernel: jax.Array, out_dtype=None
     """The plan's way of multiplying by a weight: weight_einsum where it chose canonical weight
     gradients (CPU targets), else the plain einsum."""
     from mxc.compiler.lower.choices import lowering_choices
+    from mxc.compiler.lower.remat import WEIGHT_PRODUCT
 
     if lowering_choices().canonical_weight_gradients:
-        return weight_einsum(pattern, x, kernel, out_dtype)
+        return checkpoint_name(weight_einsum(pattern, x, kernel, out_dtype), WEIGHT_PRODUCT)
     return jnp.einsum(pattern, x, kernel, preferred_element_type=out_dtype)
