@@ -175,6 +175,36 @@ def test_the_planner_divides_the_residual_stream_by_tensor_under_sequence_parall
     assert plain.predicted.activations == 4 * split.predicted.activations > 0
 
 
+# XLA's totals (GiB of the 31.24 a v6e device has) for MaxText's one-microbatch offloading
+# settings, compiled through --maxtext for the real topology (docs/plans.md, "Memory levers").
+MAXTEXT_SETTINGS_XLA_GIB = {"Llama 3.1 70B, v6e-256": 29.97, "Llama 3.1 405B, 2 x v6e-256": 30.14,
+                            "Mixtral 8x7B, v6e-256": 29.1}
+
+
+def test_the_planner_predicts_maxtexts_offloading_settings_within_15_percent_of_xla():
+    from mxc.compiler.plan.calibration import published_rows
+    from mxc.compiler.plan.maxtext import plan_setting
+
+    rows = {row["name"]: row for row in published_rows()}
+    for name, xla_gib in MAXTEXT_SETTINGS_XLA_GIB.items():
+        row = rows[name]
+        setting = plan_setting(load_model(row["model"]), parse(row["topology"], row["slices"]), row["tuning_params"],
+                               verify=False)
+        assert setting.microbatches == 1 and setting.predicted.host > 40 * 2**30
+        assert abs(setting.predicted.total / 2**30 / xla_gib - 1) < 0.15, name
+        assert setting.fits
+
+
+def test_xla_squeezes_temporaries_only_where_their_irreducible_part_fits():
+    from mxc.compiler.plan.memory import SQUEEZED_SHARE, squeezed
+
+    hbm, beside = 100.0, 10.0
+    assert squeezed(80, 50, hbm, beside) == 80  # fits as asked
+    assert squeezed(120, 50, hbm, beside) == SQUEEZED_SHARE * hbm - beside  # squeezed near the limit
+    assert squeezed(120, 85, hbm, beside) == 85  # squeezed to its irreducible part
+    assert squeezed(120, 95, hbm, beside) == 120  # refused: XLA reports the whole need
+
+
 def test_the_search_considers_the_levers():
     from mxc.compiler.plan.candidates import choices
     from mxc.compiler.plan.layout import parameters

@@ -40,15 +40,9 @@ LOGITS_BUFFERS = 1.5
 GATHERED_AT_LOSS = 2
 LAYER_WORKING_SET = 0.4
 GATHERED_LAYERS = 3
-# The XLA attention path (no flash kernel) holds float32 buffers of a layer's scores' size while it
-# differentiates the softmax (the scores, the probabilities, their gradients): four at once at the
-# peak of Gemma 3 27B's text backward on v5p-256 (one 4096-token sequence per device, 2 GiB each in
-# XLA's buffer assignment; counting two predicted 0.79 of XLA's total, docs/multimodal.md).
-ATTENTION_SCORE_BUFFERS = 4
-# A tied table's head gradient is added to its lookup's, which comes last in the text backward:
-# XLA forms it there and keeps the microbatch's float32 logits from the loss through every text
-# layer's backward (Gemma 3 27B on v5p-256: 4 GiB live until after the last layer's backward).
-TIED_HEAD_LOGITS = 1
+# The XLA attention path (no flash kernel) holds a layer's scores and probabilities in float32 at
+# once while it differentiates the softmax.
+ATTENTION_SCORE_BUFFERS = 2
 # The dropless expert dispatch's buffers are all live in a layer's backward (recomputed gate, up
 # and hidden units beside their gradients): Mixtral 8x7B on v5p-256, fsdp 64 x expert 2,
 # minimal_with_context, one microbatch: XLA 65.86 GiB; with the dense layers' 0.4 share the
@@ -58,12 +52,25 @@ DISPATCH_WORKING_SET = 1.0
 # flight: measured 0.24 of what is offloaded (Llama 3.1 8B, save_qkv_offloaded, 6 GiB to host)
 # and 0.40 (Llama 3.1 70B, 12.5 GiB to host).
 OFFLOAD_STAGING = 1 / 3
+# Near the HBM limit XLA rematerialises and schedules the host copies to fit: a plan whose
+# prediction is over what HBM leaves for temporaries, but whose irreducible part (the loss's
+# float32 logits once, the layers' working set, nothing in flight to the host) fits, compiles at
+# about this share of HBM. Measured (XLA's total of 31.24 GiB on v6e): Llama 3.1 70B with 5
+# sequences per device and 112.5 GiB offloaded, 29.97 GiB (0.96; predicted without this 52.2);
+# Llama 3.1 405B on 2 x v6e-256, 98.4 GiB offloaded, 30.14 (0.96; 51.3); Mixtral 8x7B, 42 GiB
+# offloaded, 29.1 (0.93; 32.7); Llama 3.1 8B, full remat, 4 sequences per device, 27.92 (0.89;
+# 32.8). Where the irreducible part does not fit, XLA reports the unsqueezed need (Llama 3.1 8B,
+# fsdp 64 x tensor 4, 16 sequences: temporaries 56.59 GiB, predicted 55.80).
+SQUEEZED_SHARE = 0.9
+LOGITS_IRREDUCIBLE = 1.0
 
 # Host memory of one TPU VM per chip (Google Cloud machine types: ct5lp-hightpu-8t 384 GB for 8
 # v5e chips, ct5p-hightpu-4t 448 GB for 4 v5p chips, ct6e-standard-8t 1440 GB for 8 v6e chips);
-# offloaded activations may take half of it, the rest is the runtime's and the input pipeline's.
+# offloaded activations may take 0.7 of it, the rest is the runtime's and the input pipeline's
+# (MaxText's Llama 3.1 70B setting on v6e-256 runs with 112.5 GiB per chip offloaded, 0.67; XLA
+# itself refuses more than 128 GiB per device).
 HOST_MEMORY_PER_CHIP = {"v5e": 384e9 / 8, "v5p": 448e9 / 4, "v6e": 1440e9 / 8}
-HOST_SHARE_FOR_ACTIVATIONS = 0.5
+HOST_SHARE_FOR_ACTIVATIONS = 0.7
 
 
 def host_budget(choice: Choice) -> float:
@@ -121,21 +128,35 @@ def predict(choice: Choice) -> Memory:
     gathered = gathered_layer_bytes(choice)
     loss_peak = LOGITS_BUFFERS * logits_bytes(choice) + GATHERED_AT_LOSS * gathered
     layer_peak = layer_working + GATHERED_LAYERS * gathered
-    if spec.embedding.tied:
-        layer_peak += TIED_HEAD_LOGITS * logits_bytes(choice)
     # Copies to and from the host are in flight while layers run, not at the loss, where the
     # forward's have landed and the backward's have not started (Llama 3.1 70B on v6e-256 with
     # each layer's input and q/k/v offloaded, 112 GiB to host, one microbatch: XLA's device
     # temporaries 26.9 GiB, below the loss peak alone).
     temporaries = max(loss_peak, layer_peak + OFFLOAD_STAGING * host)
+    irreducible = max(LOGITS_IRREDUCIBLE * logits_bytes(choice) + GATHERED_AT_LOSS * gathered, layer_peak)
+    gradients = parameters * (2 if choice.microbatches > 1 else 1)
+    if choice.mesh.get("stage", 1) == 1:  # stages.adjust_memory has its own temporaries
+        beside = parameters * (1 + ADAM_MOMENTS) + gradients + device
+        temporaries = squeezed(temporaries, irreducible, choice.topology.usable_hbm_bytes, beside)
     return adjust_memory(choice, Memory(
         parameters=parameters,
         optimizer_state=ADAM_MOMENTS * parameters,
-        gradients=parameters * (2 if choice.microbatches > 1 else 1),
+        gradients=gradients,
         activations=device,
         temporaries=int(temporaries),
         host=host,
     ))
+
+
+def squeezed(temporaries: float, irreducible: float, hbm: float, beside: float) -> float:
+    """The temporaries XLA ends with on `hbm` bytes, `beside` of them taken by the state and the
+    kept activations: all it asks for where that fits; where only the irreducible part fits, what
+    it squeezes to (the plan at SQUEEZED_SHARE of HBM, at least the irreducible part); where not
+    even that fits, all it asks for (XLA's refusal reports the unsqueezed need)."""
+    room = hbm - beside
+    if temporaries <= room or irreducible > room:
+        return temporaries
+    return max(irreducible, SQUEEZED_SHARE * hbm - beside)
 
 
 def kv_cache_bytes(choice: Choice, cache_seq: int, batch: int | None = None) -> int:
