@@ -69,7 +69,7 @@ def encode_images(spec: ModelSpec, params: dict, pixel_values: jax.Array, dtype,
     if isinstance(tower.projector, PixelShuffleProjector):  # Llama 4: class token, 2D RoPE, pixel shuffle
         from mxc.compiler.lower import vision_llama4
 
-        return vision_llama4.encode_images(spec, params, pixel_values, dtype)
+        return vision_llama4.encode_images(spec, params, pixel_values, dtype, remat_policy)
     x = patch_embeddings(tower, vp["patches"], pixel_values, dtype)
     if isinstance(tower.positions, LearnedPositions):
         x = x + vp["positions"]["embedding"].astype(dtype)[None]

@@ -84,7 +84,7 @@ def _encoder_layer(tower: VisionTower, params: dict, x: jax.Array, cos: jax.Arra
     return x + ffn_layer(block.mlp, params["mlp"], apply_norm(block.norm, params["mlp_norm"], x))
 
 
-def adapter_output(tower: VisionTower, vp: dict, pixels: jax.Array, dtype) -> jax.Array:
+def adapter_output(tower: VisionTower, vp: dict, pixels: jax.Array, dtype, remat_policy=None) -> jax.Array:
     """pixels [images, channels, image, image] -> [images, tokens_per_image, adapter], before the
     projector (HF's Llama4VisionModel last_hidden_state); vp is params["vision"]."""
     x = patch_embeddings(tower, vp["patches"], pixels, dtype)
@@ -100,6 +100,8 @@ def adapter_output(tower: VisionTower, vp: dict, pixels: jax.Array, dtype) -> ja
     def step(x, layer):
         return _encoder_layer(tower, layer, x, cos, sin), None
 
+    if remat_policy is not None:  # training: the text model's policy, as for SigLIP (vision._encoder)
+        step = jax.checkpoint(step, policy=remat_policy, prevent_cse=False)
     x, _ = jax.lax.scan(step, x, vp["layers"])
     x = apply_norm(tower.final_norm, vp["final_norm"], x)[:, :tower.num_patches]  # the class token leaves
     projector = tower.projector
@@ -109,9 +111,9 @@ def adapter_output(tower: VisionTower, vp: dict, pixels: jax.Array, dtype) -> ja
     return x
 
 
-def encode_images(spec: ModelSpec, params: dict, pixels: jax.Array, dtype) -> jax.Array:
+def encode_images(spec: ModelSpec, params: dict, pixels: jax.Array, dtype, remat_policy=None) -> jax.Array:
     """pixels [images, channels, image, image] -> [images, tokens_per_image, d_model] in dtype: what
     replaces the image placeholder tokens' embeddings in the text model."""
     vp = params["vision"]
-    x = adapter_output(spec.vision, vp, pixels, dtype)
+    x = adapter_output(spec.vision, vp, pixels, dtype, remat_policy)
     return project(x, {"kernel": vp["projector"]["kernel"]}, "...i,io->...o", dtype)
