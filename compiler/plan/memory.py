@@ -40,9 +40,15 @@ LOGITS_BUFFERS = 1.5
 GATHERED_AT_LOSS = 2
 LAYER_WORKING_SET = 0.4
 GATHERED_LAYERS = 3
-# The XLA attention path (no flash kernel) holds a layer's scores and probabilities in float32 at
-# once while it differentiates the softmax.
-ATTENTION_SCORE_BUFFERS = 2
+# The XLA attention path (no flash kernel) holds float32 buffers of a layer's scores' size while it
+# differentiates the softmax (the scores, the probabilities, their gradients): four at once at the
+# peak of Gemma 3 27B's text backward on v5p-256 (one 4096-token sequence per device, 2 GiB each in
+# XLA's buffer assignment; counting two predicted 0.79 of XLA's total, docs/multimodal.md).
+ATTENTION_SCORE_BUFFERS = 4
+# A tied table's head gradient is added to its lookup's, which comes last in the text backward:
+# XLA forms it there and keeps the microbatch's float32 logits from the loss through every text
+# layer's backward (Gemma 3 27B on v5p-256: 4 GiB live until after the last layer's backward).
+TIED_HEAD_LOGITS = 1
 # The dropless expert dispatch's buffers are all live in a layer's backward (recomputed gate, up
 # and hidden units beside their gradients): Mixtral 8x7B on v5p-256, fsdp 64 x expert 2,
 # minimal_with_context, one microbatch: XLA 65.86 GiB; with the dense layers' 0.4 share the
@@ -128,6 +134,8 @@ def predict(choice: Choice) -> Memory:
     gathered = gathered_layer_bytes(choice)
     loss_peak = LOGITS_BUFFERS * logits_bytes(choice) + GATHERED_AT_LOSS * gathered
     layer_peak = layer_working + GATHERED_LAYERS * gathered
+    if spec.embedding.tied:
+        layer_peak += TIED_HEAD_LOGITS * logits_bytes(choice)
     # Copies to and from the host are in flight while layers run, not at the loss, where the
     # forward's have landed and the backward's have not started (Llama 3.1 70B on v6e-256 with
     # each layer's input and q/k/v offloaded, 112 GiB to host, one microbatch: XLA's device
