@@ -8,7 +8,8 @@
                      one microbatch, times the layers (offloaded names live in host memory)
     temporaries      the larger of the loss's (float32 logits of one microbatch and their
                      gradient) and one layer's backward (part of its intermediates, its
-                     weights gathered whole, their gradient before the reduce-scatter)
+                     weights gathered whole, their gradient before the reduce-scatter); near the HBM
+                     limit, what XLA squeezes them to where their irreducible part fits
 
 The factors below that are not plain counting were measured against XLA's memory analysis of
 mxc's own train step compiled for TPU targets (docs/plans.md lists the runs).
