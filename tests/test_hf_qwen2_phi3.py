@@ -5,9 +5,9 @@ decodes, and bit-for-bit export.
 Phi-3's LongRoPE picks its factor set by the sequence's length: the short factors while it fits
 original_max_position_embeddings (16 here), the long ones beyond. The logits are compared at 24
 tokens (long) and at 12 (short); greedy decodes of 8 tokens run wholly below (prompt 6) and wholly
-above (prompt 18). A decode that crosses 16 is not compared: transformers' generate then drops its
-cache and recomputes the whole prefix with the long factors (Phi3ForCausalLM's
-prepare_inputs_for_generation), which mxc's decode step does not (docs/hf-import.md).
+above (prompt 18), and one of 10 from a prompt of 12 crosses 16: transformers' generate then drops
+its cache and recomputes the whole prefix with the long factors (Phi3ForCausalLM's
+prepare_inputs_for_generation), as mxc's decode step does (compiler/lower/longrope_decode.py).
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ CASES = {
                  dict(rope_scaling=_longrope(), original_max_position_embeddings=ORIGINAL, pad_token_id=0),
                  ablations={"longrope": dict(rope_scaling=None),
                             "long factors": dict(rope_scaling=_longrope(long=SHORT))},
-                 decodes=((6, 8), (ORIGINAL + 2, 8))),  # 14 tokens: short factors; 18 to 26: long
+                 # 14 tokens: short factors; 12 to 22 crosses 16 (transformers recomputes the prefix); 18 to 26: long
+                 decodes=((6, 8), (PROMPT, 10), (ORIGINAL + 2, 8))),
 }
 
 
@@ -137,6 +138,31 @@ def test_greedy_generate_matches_transformers(built):
         assert main(["generate", str(built.out_dir), "--prompt-tokens", str(prompt), "--max-new", str(new),
                      "--greedy", "-o", str(out)]) == 0
         np.testing.assert_array_equal(np.load(out), expected, err_msg=prompt.stem)
+
+
+@pytest.mark.parametrize("built", ["phi3"], indirect=True)
+def test_rows_crossing_original_max_at_different_steps_match_transformers(built):
+    """Two prompts (10 and 14 tokens) decoded together cross 16 at different steps; each row's
+    greedy tokens equal transformers' generate on that prompt alone (which recomputes its cache at
+    the crossing)."""
+    from mxc.compiler.commands.generate import spec_servable
+    from mxc.compiler.hf.model_dir import load_spec_and_params
+    from mxc.runtime.generate import PAD, generate
+
+    spec, params = load_spec_and_params(str(built.out_dir))
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        prompts = [rng.integers(1, VOCAB, (1, length)) for length in (10, 14)]
+        expected = [hf_generate(built.model, prompt, 10) for prompt in prompts]
+        if min(margin for _, margin in expected) > MIN_MARGIN:
+            break
+    batch = np.full((2, 14), PAD)
+    for row, prompt in enumerate(prompts):
+        batch[row, :prompt.shape[1]] = prompt[0]
+    out, _ = generate(spec_servable(spec, 2, 14, 24, "float32"), params, batch, 10)
+    for row, (sequence, _) in enumerate(expected):
+        length = prompts[row].shape[1]
+        np.testing.assert_array_equal(out[row, 14:], sequence[0, length:], err_msg=f"row {row}")
 
 
 def test_export_reproduces_checkpoint_bit_for_bit(built):

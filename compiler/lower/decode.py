@@ -12,6 +12,8 @@ The cache is a pytree shaped like the layer stack:
 Each attention kind states its entries (mxc.compiler.kinds); an MLA block caches its compressed
 latent instead of keys and values:
 {"latent": [layers, batch, cache_seq, kv_lora], "k_rope": [layers, batch, cache_seq, rope]}.
+A LongRoPE model's cache also keeps each row's tokens by position ("history": [batch, cache_seq]),
+so a decode step can prefill a row again when it crosses original_max_seq (longrope_decode.py).
 
 Prefill and decode are model.forward with a cache: no second attention implementation.
 """
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 
 from mxc.compiler.kinds import kind_of
 from mxc.compiler.lower.attention_core import EMPTY_SLOT
+from mxc.compiler.lower import longrope_decode
 from mxc.compiler.lower.layer_layout import is_per_layer, per_layer
 from mxc.compiler.lower.model import decoder_hidden, forward, logits_from_hidden
 from mxc.compiler.quant import kv_cache
@@ -45,7 +48,7 @@ def init_cache(spec: ModelSpec, batch: int, length: int, dtype=None) -> dict:
                  for name in seg.period] for seg in spec.layers]
     return {"index": jnp.zeros((), jnp.int32),
             "positions": jnp.full((batch, length), EMPTY_SLOT, jnp.int32),
-            "segments": segments}
+            "segments": segments, **longrope_decode.history_entry(spec, batch, length)}
 
 
 def cache_axes(spec: ModelSpec) -> dict:
@@ -53,7 +56,22 @@ def cache_axes(spec: ModelSpec) -> dict:
     return {"index": (), "positions": ("batch", "cache_seq"),
             "segments": [[{entry: ("layers", *axes) for entry, (_, axes) in
                            _layer_cache_entries(spec.blocks[name].attention, 1, 1, spec).items()}
-                          for name in seg.period] for seg in spec.layers]}
+                          for name in seg.period] for seg in spec.layers],
+            **({"history": ("batch", "cache_seq")} if longrope_decode.threshold(spec) is not None else {})}
+
+
+def _batch_axes(spec: ModelSpec, cache: dict) -> dict:
+    """Each cache leaf's batch axis, for the cache's layout (stacked or per layer)."""
+    axes = cache_axes(spec)
+    segments = []
+    for seg_axes, seg_cache in zip(axes["segments"], cache["segments"]):
+        stacked = [{entry: names.index("batch") for entry, names in block.items()} for block in seg_axes]
+        if is_per_layer(seg_cache):
+            segments.append([[{entry: axis - 1 for entry, axis in block.items()} for block in stacked]
+                             for _ in seg_cache])
+        else:
+            segments.append(stacked)
+    return {"positions": 0, "segments": segments}
 
 
 def prefill(spec: ModelSpec, params: dict, tokens: jax.Array, cache: dict, *, lengths: jax.Array | None = None,
@@ -66,10 +84,11 @@ def prefill(spec: ModelSpec, params: dict, tokens: jax.Array, cache: dict, *, le
     keeps the padding out of the real tokens. The padding's cache slots are then marked empty, so
     no later token attends to them and a row's next position is its own length.
     `images`: {"pixel_values", "token_type_ids"} for a model with a vision tower (model.decoder_hidden)."""
-    start = cache["index"]
+    start, before = cache["index"], cache
     hidden, cache, _ = decoder_hidden(spec, params, tokens, cache=cache, dtype=dtype, attention_impl=attention_impl,
                                       **(images or {}))
     batch, seq = tokens.shape
+    cache = longrope_decode.with_history(cache, before, tokens, start + jnp.arange(seq, dtype=jnp.int32)[None, :])
     if lengths is None:
         return logits_from_hidden(spec, params, hidden[:, -1:])[:, 0], cache
     lengths = lengths.astype(jnp.int32)
@@ -91,9 +110,22 @@ def decode_step(spec: ModelSpec, params: dict, tokens: jax.Array, cache: dict, *
                 attention_impl: str = "xla") -> tuple[jax.Array, dict]:
     """One new token per sequence (tokens [batch]), each at its row's next position; returns its
     logits [batch, vocab]."""
-    logits, cache = forward(spec, params, tokens[:, None], positions=next_positions(cache)[:, None], cache=cache,
+    positions, before = next_positions(cache), cache
+    logits, cache = forward(spec, params, tokens[:, None], positions=positions[:, None], cache=cache,
                             dtype=dtype, attention_impl=attention_impl)
-    return logits[:, -1], cache
+    if "history" not in before:
+        return logits[:, -1], cache
+    # LongRoPE: a row whose sequence just grew past original_max_seq is prefilled again (longrope_decode.py).
+    cache = longrope_decode.with_history(cache, before, tokens[:, None], positions[:, None])
+
+    def prefill_fresh(history):
+        fresh = init_cache(spec, *cache["positions"].shape, dtype)
+        if is_per_layer(params["segments"][0]):
+            fresh = per_layer(fresh)
+        return prefill(spec, params, history, fresh, dtype=dtype, attention_impl=attention_impl)
+
+    return longrope_decode.recompute_crossing_rows(spec, positions, logits[:, -1], cache, prefill_fresh,
+                                                   lambda c: _batch_axes(spec, c))
 
 
 def serving_steps(spec: ModelSpec, batch: int, cache_len: int, *, dtype=None,
