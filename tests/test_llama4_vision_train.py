@@ -1,0 +1,93 @@
+"""Llama 4 training with images (slow): a train step's loss on packed image-text rows equals the
+forward pass (checked against transformers in test_llama4_vision_parity.py) run document by
+document, on the tiny random Llama 4 of test_llama4_vision.py."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+from test_llama4_vision import IMAGE_TOKENS, _tiny_spec  # noqa: E402
+
+from mxc.runtime.data import ImagePackedSequences  # noqa: E402
+from mxc.runtime.image_file import open_images, write_image_tokens  # noqa: E402
+from mxc.runtime.token_file import open_tokens  # noqa: E402
+
+pytestmark = pytest.mark.slow  # jit of the tiny MoE train step: a few minutes under load
+
+PLACEHOLDER, BEGIN, END = (IMAGE_TOKENS[k] for k in ("image_token_index", "boi_token_index", "eoi_token_index"))
+PER_IMAGE, EOD, VOCAB = 16, 2, 128
+
+
+def _examples(count: int, seed: int):
+    """Text, up to two images each followed by text; image k of the stream is random noise plus k."""
+    rng = np.random.default_rng(seed)
+    examples, image = [], 0
+    for _ in range(count):
+        parts = [rng.integers(3, 90, rng.integers(1, 8))]
+        for _ in range(rng.integers(0, 3)):
+            image += 1
+            parts += [(rng.standard_normal((3, 32, 32)) + image).astype(np.float32), rng.integers(3, 90, rng.integers(1, 5))]
+        examples.append(parts)
+    return examples
+
+
+def _runs(tokens: np.ndarray) -> int:
+    placeholder = tokens == PLACEHOLDER
+    return int(np.count_nonzero(placeholder & ~np.concatenate([[False], placeholder[:-1]])))
+
+
+def _moved(params, seed: int):
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda p: p + jnp.asarray(0.05 * rng.standard_normal(p.shape), p.dtype), params)
+
+
+def _reference_loss(spec, params, rows) -> float:
+    from mxc.compiler.lower.model import forward
+
+    total, count = 0.0, 0
+    for r in range(len(rows["inputs"])):
+        images = iter(rows["pixel_values"][r][rows["image_mask"][r]])
+        for segment in np.unique(rows["segment_ids"][r]):
+            if segment == 0:
+                continue
+            where = np.flatnonzero(rows["segment_ids"][r] == segment)
+            tokens = rows["inputs"][r, where]
+            count_images = _runs(tokens)
+            pixels = np.stack([next(images) for _ in range(count_images)]) if count_images else None
+            logits, _ = forward(spec, params, jnp.asarray(tokens[None]),
+                                pixel_values=None if pixels is None else jnp.asarray(pixels))
+            logits = np.asarray(logits[0], np.float64)
+            top = logits.max(-1, keepdims=True)
+            log_probs = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+            targets, mask = rows["targets"][r, where], rows["mask"][r, where]
+            total -= float(np.sum(log_probs[np.arange(len(where)), targets] * mask))
+            count += int(mask.sum())
+    return total / count
+
+
+def test_the_steps_loss_equals_the_forward_pass_document_by_document(tmp_path):
+    from mxc.compiler.lower.optimizer import OptimizerConfig
+    from mxc.compiler.lower.train import init_train_state, make_train_step
+
+    spec = _tiny_spec().model_copy(update={"param_dtype": "float32", "compute_dtype": "float32"})
+    write_image_tokens(tmp_path / "pairs.bin", _examples(12, seed=2), vocab_size=VOCAB, eod_id=EOD,
+                       placeholder=PLACEHOLDER, tokens_per_image=PER_IMAGE, begin=BEGIN, end=END)
+    data = open_tokens(tmp_path / "pairs.bin")
+    packed = ImagePackedSequences(data, open_images(data), 48, 2)
+    rows = packed.rows(np.arange(4))
+    assert rows["image_mask"].sum() >= 3 and len(np.unique(rows["segment_ids"][0])) > 1
+    config = OptimizerConfig(learning_rate=1e-2, total_steps=10, warmup_steps=0)
+    state = init_train_state(spec, config, jax.random.key(0))
+    state = state._replace(params=_moved(state.params, seed=3))
+    step = jax.jit(make_train_step(spec, config, remat="none"))
+    after, metrics = step(state, {k: jnp.asarray(v) for k, v in rows.items()})
+    # cross_entropy: the loss without the experts' load-balancing term
+    assert float(metrics["cross_entropy"]) == pytest.approx(_reference_loss(spec, state.params, rows), abs=1e-5)
+    assert not np.array_equal(state.params["vision"]["projector"]["kernel"], after.params["vision"]["projector"]["kernel"])
