@@ -1,5 +1,5 @@
 """The planner with images in the batch: its memory prediction for multimodal train steps against
-XLA's memory analysis, and (slow) Gemma 3 27B with images compiled for
+XLA's memory analysis, and (slow) Gemma 3 27B and Llama 4 17B-16E with images compiled for
 v5p-256 with the planner's own plan (docs/multimodal.md)."""
 
 import json
@@ -35,6 +35,25 @@ def test_gemma3_27b_with_two_microbatches_is_predicted_over_hbm_as_xla_found():
     plan = _gemma3_27b(2)
     assert plan.predicted.total > topology.usable_hbm_bytes
     assert plan.predicted.temporaries < GEMMA3_27B_XLA_2_MICROBATCHES_TEMPORARIES
+
+
+@pytest.mark.parametrize("model", ["gemma3-4b", "llama4-17b-16e"])
+def test_the_encoder_follows_the_train_steps_remat_policy(model):
+    """Both towers' encoder layers are checkpointed as the text layers are (the planner counts what
+    the policy keeps of them, activations.vision_bytes); Llama 4's kept everything before."""
+    import jax
+    import jax.numpy as jnp
+
+    from mxc.compiler.lower import vision
+    from mxc.compiler.lower.params import param_shapes
+    from mxc.compiler.lower.remat import policy
+
+    spec = load_model(model)
+    side = spec.vision.image
+    pixels = jax.ShapeDtypeStruct((1, 3, side, side), jnp.float32)
+    encode = lambda params, x: vision.encode_images(spec, params, x, jnp.bfloat16, policy("minimal"))
+    jaxpr = str(jax.make_jaxpr(encode)(param_shapes(spec), pixels))
+    assert "checkpoint" in jaxpr or "remat" in jaxpr
 
 
 def _compiled(tmp_path_factory, model: str) -> dict:
