@@ -54,13 +54,14 @@ class CrossImages:
 
 
 def image_states(spec: ModelSpec, params: dict, pixel_values, aspect_ratio_ids, aspect_ratio_mask,
-                 dtype) -> jax.Array:
+                 dtype, remat_policy=None) -> jax.Array:
     """The projected tiles of each row's images: [batch, images * tiles * tokens per tile, d_model]."""
     tower = spec.vision
     batch, images, tiles = pixel_values.shape[:3]
     vp = params["vision"]
     features = encode_tiles(tower, vp, pixel_values.reshape(batch * images, *pixel_values.shape[2:]),
-                            aspect_ratio_ids.reshape(-1), aspect_ratio_mask.reshape(batch * images, tiles), dtype)
+                            aspect_ratio_ids.reshape(-1), aspect_ratio_mask.reshape(batch * images, tiles), dtype,
+                            remat_policy)
     return project_tiles(vp, features, dtype).reshape(batch, images * tiles * num_positions(tower), -1)
 
 

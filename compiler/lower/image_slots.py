@@ -55,7 +55,7 @@ def with_image_slots(spec: ModelSpec, params: dict, tokens: jax.Array, embed: Ca
 
 def cross_image_slots(spec: ModelSpec, params: dict, tokens: jax.Array, pixel_values: jax.Array,
                       image_mask: jax.Array | None, aspect_ratio_ids: jax.Array, segment_ids: jax.Array | None,
-                      dtype) -> "CrossImages":
+                      dtype, remat_policy=None) -> "CrossImages":
     """Llama 3.2 Vision's images in a training batch, for its cross_attention layers: pixel_values
     [batch, slots, tiles, channels, tile, tile], aspect_ratio_ids [batch, slots] (0 in an empty
     slot); row b's k-th image token marks where slot k's image stands (masks: cross_masks)."""
@@ -69,7 +69,8 @@ def cross_image_slots(spec: ModelSpec, params: dict, tokens: jax.Array, pixel_va
     # An empty slot is encoded as one tile of arrangement 1 (no image is all padding), then zeroed.
     first_tile = jnp.arange(tiles)[None, None, :] == 0
     encoded_mask = jnp.where(image_mask[..., None], tile_mask, first_tile).astype(jnp.int32)
-    states = image_states(spec, params, pixel_values, jnp.where(image_mask, aspect_ratio_ids, 1), encoded_mask, dtype)
+    states = image_states(spec, params, pixel_values, jnp.where(image_mask, aspect_ratio_ids, 1), encoded_mask, dtype,
+                          remat_policy)
     per_image = tiles * num_positions(tower)
     states = states.reshape(rows, slots, per_image, -1)
     states = jnp.where(image_mask[:, :, None, None], states, jnp.zeros((), states.dtype))

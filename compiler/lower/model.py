@@ -149,7 +149,7 @@ def decoder_hidden(spec: ModelSpec, params: dict, tokens: jax.Array, *, position
         from mxc.compiler.lower.image_slots import cross_image_slots
 
         cross_images = cross_image_slots(spec, params, tokens, pixel_values, image_mask, aspect_ratio_ids,
-                                         segment_ids, dtype)
+                                         segment_ids, dtype, remat_policy)
         x = embed(spec, params, tokens, dtype)
     elif pixel_values is not None and pixel_values.ndim == 5:
         from mxc.compiler.lower.image_slots import with_image_slots

@@ -99,10 +99,13 @@ def _aspect_embedding(params: dict, aspect_ratio_ids: jax.Array, dtype) -> jax.A
 
 
 def encode_tiles(tower: VisionTower, vp: dict, pixel_values: jax.Array, aspect_ratio_ids: jax.Array,
-                 aspect_ratio_mask: jax.Array, dtype) -> jax.Array:
+                 aspect_ratio_mask: jax.Array, dtype, remat_policy=None) -> jax.Array:
     """pixel_values [images, tiles, channels, image, image], aspect_ratio_ids [images],
     aspect_ratio_mask [images, tiles] -> [images, tiles, tokens, output_width]: transformers'
-    MllamaVisionModel last_hidden_state (per image; the batch axis folded into images)."""
+    MllamaVisionModel last_hidden_state (per image; the batch axis folded into images). With a
+    remat_policy (training) each encoder layer is rematerialised under it, as the text's layers are:
+    an image's attention probabilities (tiles x 1608 tokens squared per head at 560 pixels) would
+    otherwise be kept for every layer's backward pass."""
     images, tiles = pixel_values.shape[:2]
     width, tokens, padded = tower.d_model, num_positions(tower), padded_tokens(tower)
     x = patch_embeddings(tower, vp["patches"], pixel_values.reshape(images * tiles, *pixel_values.shape[2:]), dtype)
@@ -126,15 +129,18 @@ def encode_tiles(tower: VisionTower, vp: dict, pixel_values: jax.Array, aspect_r
         x = _encoder_layer(tower, layer, x, q_positions, kv_positions, gated=False)
         return x, x
 
+    def global_(x, layer):
+        return _encoder_layer(tower, layer, x, q_positions, kv_positions, gated=True), None
+
+    if remat_policy is not None:
+        local = jax.checkpoint(local, policy=remat_policy, prevent_cse=False)
+        global_ = jax.checkpoint(global_, policy=remat_policy, prevent_cse=False)
+
     x, every_output = jax.lax.scan(local, x, vp["layers"])
     kept = every_output[jnp.asarray(tower.intermediate)]  # [kept, images, tiles * padded, width]
     x = apply_norm(tower.final_norm, vp["final_norm"], x)
     x = x.reshape(images, tiles, padded, width) + _aspect_embedding(vp["post_tile"], aspect_ratio_ids, dtype)
     x = x.reshape(images, tiles * padded, width)
-
-    def global_(x, layer):
-        return _encoder_layer(tower, layer, x, q_positions, kv_positions, gated=True), None
-
     x, _ = jax.lax.scan(global_, x, vp["global_layers"])
     # transformers stacks the kept outputs on a last axis: feature-major, layer-minor.
     kept = jnp.moveaxis(kept, 0, -1).reshape(images, tiles * padded, width * len(tower.intermediate))
