@@ -21,6 +21,10 @@ class LoweringChoices:
     stacked_projections: bool  # projections of one input as one matmul over stacked kernels
     interpret_kernels: bool  # Pallas kernels (megablox) in the interpreter, as off a TPU
     quantization: str = "fp32"  # compiler/quant/config.py's name; set from the spec's `quantize`
+    # The output head's matmul writes float32 logits; False: the activations' dtype, cast to
+    # float32 for the loss (MaxText's default, logits_dot_in_fp32: False), which halves the
+    # [tokens, vocab] logits XLA keeps for the backward pass. Set by --maxtext.
+    float32_logits_dot: bool = True
     # CPU-only choices, which the plan's chip decides (Plan.lowering_choices); docs/runtime.md
     # has the measurements. Weight products' backward passes as canonical row-major matrix
     # products (weight_gradients.py): XLA:CPU otherwise copies the large gradient transposed.

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from mxc.compiler.lower import attention, ffn
 from mxc.compiler.lower.block import RESIDUAL_AXES, block_layer_with_stats
+from mxc.compiler.lower.choices import lowering_choices
 from mxc.compiler.lower.layer_layout import is_per_layer
 from mxc.compiler.lower.moe import MoEConfig
 from mxc.compiler.lower.norms import apply_norm
@@ -53,8 +54,10 @@ def logits_from_hidden(spec: ModelSpec, params: dict, x: jax.Array) -> jax.Array
 def output_head(spec: ModelSpec, params: dict, x: jax.Array) -> jax.Array:
     """The output head (tied or not) and soft-cap on normalised x; float32 logits [batch, seq, vocab].
     DeepSeek V3's multi-token prediction modules share it with the main model."""
+    out_dtype = jnp.float32 if lowering_choices().float32_logits_dot else None  # None: x's dtype
     logits = project(x, head_params(params, spec.embedding.tied),
-                     "bse,ve->bsv" if spec.embedding.tied else "bse,ev->bsv", x.dtype, out_dtype=jnp.float32)
+                     "bse,ve->bsv" if spec.embedding.tied else "bse,ev->bsv", x.dtype,
+                     out_dtype=out_dtype).astype(jnp.float32)
     if spec.final_softcap is not None:
         logits = jnp.tanh(logits / spec.final_softcap) * spec.final_softcap
     return constrain(logits, ("batch", "seq", "vocab"))

@@ -60,7 +60,7 @@ SAME_AS_MXC = {"scan_layers": True, "dtype": "bfloat16", "weight_dtype": "float3
 MOE_KEYS = ("capacity_factor", "megablox", "sparse_matmul")
 PIPELINE_KEYS = ("num_pipeline_microbatches", "num_layers_per_pipeline_stage", "pipeline_parallel_layers")
 USED = ("per_device_batch_size", "remat_policy", "max_target_length", "gradient_accumulation_steps",
-        "attention", *PIPELINE_KEYS, *MOE_KEYS)
+        "attention", "logits_dot_in_fp32", *PIPELINE_KEYS, *MOE_KEYS)
 
 
 class MaxTextError(ValueError):
@@ -81,6 +81,7 @@ class Setting:
     experts: tuple[str | None, float | None] | None = None  # (expert path, capacity factor)
     notes: list[str] = field(default_factory=list)  # how keys were used, in order
     ignored: list[str] = field(default_factory=list)  # keys that do not change the program
+    float32_logits_dot: bool = False  # MaxText's logits_dot_in_fp32 (its default: the head in bf16)
 
 
 def parse_pairs(pairs: list[str]) -> dict[str, object]:
@@ -166,7 +167,21 @@ def setting(params: dict[str, object], spec, topology, *, seq: int | None = None
     microbatches = steps if mesh["stage"] == 1 else _pipeline(params, spec, mesh["stage"], steps, batch, remat, notes)
     attention = _attention(params, topology, seq, mesh, notes, ignored)
     experts = _experts(params, moe, topology, notes, ignored)
-    return Setting(seq, batch, mesh, dcn, remat, microbatches, attention, experts, notes, sorted(ignored))
+    float32_logits_dot = _logits_dot(params, notes)
+    return Setting(seq, batch, mesh, dcn, remat, microbatches, attention, experts, notes, sorted(ignored),
+                   float32_logits_dot)
+
+
+def _logits_dot(params, notes: list[str]) -> bool:
+    """MaxText's logits_dot_in_fp32 (default false: the output head multiplies in the activations'
+    dtype and the logits are cast to float32 for the loss, cast_logits_to_fp32)."""
+    value = params.get("logits_dot_in_fp32", False)
+    if not isinstance(value, bool):
+        raise MaxTextError(f"--maxtext logits_dot_in_fp32={value}: true or false")
+    if not value:
+        notes.append("logits_dot_in_fp32 false (MaxText's default): the output head multiplies in the "
+                     "activations' dtype, its logits cast to float32 for the loss")
+    return value
 
 
 def _pipeline(params, spec, stages: int, steps: int, batch: int, remat: str, notes: list[str]) -> int:
@@ -411,6 +426,9 @@ def plan_setting(spec, topology, params: dict[str, object], *, seq: int | None =
                           attention=chosen.attention, experts=chosen.experts)
     except (PlanError, ValueError) as err:
         raise MaxTextError(str(err)) from None
+    if result.lowering is not None:
+        result = result.model_copy(update={"lowering": result.lowering.model_copy(
+            update={"float32_logits_dot": chosen.float32_logits_dot})})
     reasons = [f"maxtext: {note}" for note in chosen.notes]
     if chosen.ignored:
         reasons.append(f"maxtext: ignored, they do not change the program: {', '.join(chosen.ignored)}")

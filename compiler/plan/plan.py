@@ -138,6 +138,7 @@ class Lowering(_Value):
     stacked_projections: bool
     interpret_kernels: bool
     quantization: str = "fp32"  # compiler/lower/choices.py's; fp32 in plans saved before it was kept
+    float32_logits_dot: bool = True  # compiler/lower/choices.py's; True in plans saved before it was kept
 
 
 class Pipeline(_Value):
