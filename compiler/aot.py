@@ -202,7 +202,7 @@ def model_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig) -> 
 def serve_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig, params,
                     params_shardings) -> list[Traceable]:
     from mxc.compiler.lower.decode import cache_axes, init_cache, serving_steps
-    from mxc.compiler.lower.layer_layout import per_layer_abstract
+    from mxc.runtime.layer_layout import per_layer_abstract
     from mxc.compiler.lower.sharding import tree_shardings
 
     from mxc.compiler.quant.params import serving_params

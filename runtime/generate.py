@@ -48,7 +48,7 @@ class Servable:
     cache_len: int
     vocab_size: int
     # A checkpoint's parameters (as abstract_params lays them out) -> those prefill and decode take:
-    # one array per layer where they were compiled so (compiler/lower/layer_layout.py).
+    # one array per layer where they were compiled so (runtime/layer_layout.py).
     prepare: Callable = lambda params: params  # noqa: E731
 
 
@@ -68,7 +68,7 @@ class GenerationReport:
 
 
 def servable_from_program(program) -> Servable:
-    from mxc.compiler.lower.layer_layout import all_per_layer, per_layer_arrays, stacked_abstract
+    from mxc.runtime.layer_layout import all_per_layer, per_layer_arrays, stacked_abstract
     from mxc.runtime.trainable import abstract_argument
 
     functions = program.functions

@@ -74,6 +74,7 @@ class BoundFunction:
         self.in_shardings = [leaf_sharding(mesh, leaf) for leaf in function.inputs]
         self.out_shardings = [leaf_sharding(mesh, leaf) for leaf in function.outputs]
         self._run_flat = run_flat
+        self._per_layer_params = _per_layer_params_argument(function)
 
     def __repr__(self) -> str:
         return f"<mxc function {self.name}({', '.join(self.function.arguments)})>"
@@ -83,11 +84,49 @@ class BoundFunction:
             raise TypeError(f"{self.name} takes {len(self.function.arguments)} arguments "
                             f"({', '.join(self.function.arguments)}), got {len(args)}")
         names = self.function.arguments
+        if self._per_layer_params is not None:
+            args = self._with_per_layer_params(args)
         flat = [_place(lookup(args, leaf.path, root=self.name), leaf, sharding, names)
                 for leaf, sharding in zip(self.function.inputs, self.in_shardings)]
         results = self._run_flat(flat)
         tree = build_tree([leaf.path for leaf in self.function.outputs], results)
         return tuple(tree) if isinstance(tree, list) else tree
+
+
+    def _with_per_layer_params(self, args: tuple) -> tuple:
+        """args with a checkpoint's stacked params split one array per layer, as a CPU serving
+        program takes them (layer_layout.py); converted once for the params object last seen."""
+        from mxc.runtime.layer_layout import all_per_layer, per_layer_arrays
+
+        index = self._per_layer_params
+        params = args[index]
+        if not isinstance(params, dict) or "segments" not in params or all_per_layer(params):
+            return args
+        global _LAST_SPLIT
+        if _LAST_SPLIT is None or _LAST_SPLIT[0] is not params:
+            leaves = [(leaf.path[1:], sharding) for leaf, sharding in zip(self.function.inputs, self.in_shardings)
+                      if leaf.path[0] == index]
+            shardings = build_tree([path for path, _ in leaves], [sharding for _, sharding in leaves])
+            _LAST_SPLIT = (params, jax.device_put(per_layer_arrays(params), shardings))
+        return args[:index] + (_LAST_SPLIT[1],) + args[index + 1:]
+
+
+# The stacked params a serving function was last called with, and their per-layer copy (shared by
+# prefill and decode, so that a caller passing a checkpoint's params converts them once).
+_LAST_SPLIT: tuple | None = None
+
+
+def _per_layer_params_argument(function: Function) -> int | None:
+    """The index of `params` where the function takes them one array per layer (leaf paths
+    [params, "segments", segment, layer, block, ...]); None otherwise."""
+    if "params" not in function.arguments:
+        return None
+    index = function.arguments.index("params")
+    for leaf in function.inputs:
+        path = leaf.path
+        if len(path) > 4 and path[0] == index and path[1] == "segments" and all(isinstance(p, int) for p in path[2:5]):
+            return index
+    return None
 
 
 def _display(leaf: Leaf, names: list[str]) -> str:

@@ -43,5 +43,5 @@ def test_an_executable_that_does_not_match_its_manifest_is_refused_at_load(artif
     done = subprocess.run([PYTHON, str(CHILDREN / "load_and_eval.py"), str(swapped)], env=cpu_env(8),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
-    # prefill takes one array per layer on a CPU (compiler/lower/layer_layout.py): 23 for the 2-layer tiny model.
+    # prefill takes one array per layer on a CPU (runtime/layer_layout.py): 23 for the 2-layer tiny model.
     assert "prefill.executable takes 23 parameters, but the manifest lists 17 inputs of eval_step" in done.stdout

@@ -1,4 +1,4 @@
-"""Serving with one array per layer (compiler/lower/layer_layout.py), as CPU serving programs do,
+"""Serving with one array per layer (runtime/layer_layout.py), as CPU serving programs do,
 gives the tokens and logits of the stacked layout that checkpoints and training keep."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from mxc.compiler.lower.decode import serving_steps
-from mxc.compiler.lower.layer_layout import (all_per_layer, per_layer, per_layer_abstract, per_layer_arrays,
+from mxc.runtime.layer_layout import (all_per_layer, per_layer, per_layer_abstract, per_layer_arrays,
                                              stacked_abstract)
 from mxc.compiler.lower.params import init_params
 from mxc.spec.load import load_model

@@ -68,7 +68,7 @@ def spec_servable(spec, batch: int, prompt_len: int, cache_len: int, dtype: str,
     from mxc.runtime.generate import Servable
 
     from mxc.compiler.lower.choices import lowering_choices
-    from mxc.compiler.lower.layer_layout import per_layer_arrays
+    from mxc.runtime.layer_layout import per_layer_arrays
 
     run_prefill, run_decode = serving_steps(spec, batch, cache_len, dtype=dtype, images=images)
     per_layer = lowering_choices().per_layer_serving and not (images and "cross_attention_mask" in images)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from mxc.compiler.kinds import kind_of
 from mxc.compiler.lower.attention_core import EMPTY_SLOT
 from mxc.compiler.lower import longrope_decode
-from mxc.compiler.lower.layer_layout import is_per_layer, per_layer
+from mxc.runtime.layer_layout import is_per_layer, per_layer
 from mxc.compiler.lower.model import decoder_hidden, forward, logits_from_hidden
 from mxc.compiler.quant import kv_cache
 from mxc.spec.ir import ModelSpec

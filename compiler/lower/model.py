@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from mxc.compiler.lower import attention, ffn
 from mxc.compiler.lower.block import RESIDUAL_AXES, block_layer_with_stats
 from mxc.compiler.lower.choices import lowering_choices
-from mxc.compiler.lower.layer_layout import is_per_layer
+from mxc.runtime.layer_layout import is_per_layer
 from mxc.compiler.lower.moe import MoEConfig
 from mxc.compiler.lower.norms import apply_norm
 from mxc.compiler.lower.projection import embedded, head_params, project, quantized_as_spec
