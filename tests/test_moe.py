@@ -300,6 +300,19 @@ def test_megablox_compiles_for_tpu_without_the_dense_flops():
     assert result.returncode == 0 and "tpu ok" in result.stdout, result.stdout[-2000:] + result.stderr[-3000:]
 
 
+def test_a_dropless_expert_parallel_artifact_compiles_for_tpu(tmp_path):
+    """`mxc compile` of a plan that splits the experts writes the artifact: its StableHLO export
+    keeps the ragged all-to-all (a custom call jax.export refuses unless told), and megablox takes
+    widths that are not a multiple of the TPU lane (moe-tiny's 64 and 96)."""
+    pytest.importorskip("libtpu")
+    from artifact_builds import run_mxc
+
+    done = run_mxc(tmp_path, "compile", "moe-tiny", "--topology", "v5p-8", "--pin", "expert=4",
+                   "--functions", "train_step", "-o", str(tmp_path / "artifact"), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert b"ragged_all_to_all" in (tmp_path / "artifact" / "train_step.stablehlo").read_bytes()
+
+
 # ---------------------------------------------------------------- training
 
 def _permutation_batches(vocab, batch, seq, steps, seed=0):

@@ -21,11 +21,12 @@ LANE = 128  # TPU lane width: a tile's minor dimension is a multiple of it, or t
 
 
 def _tile(size: int, largest: int = 512) -> int:
-    """The largest multiple of LANE (at most `largest`) that divides size; else size itself."""
-    for tile in range(largest, LANE - 1, -LANE):
-        if size % tile == 0:
-            return tile
-    return size
+    """The largest multiple of LANE (at most `largest`) that divides size (a multiple of LANE)."""
+    return next(tile for tile in range(largest, LANE - 1, -LANE) if size % tile == 0)
+
+
+def _round_up(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
 
 
 def grouped_matmul(rows: jax.Array, kernel: jax.Array, group_sizes: jax.Array, first_group: jax.Array,
@@ -43,8 +44,12 @@ def grouped_matmul(rows: jax.Array, kernel: jax.Array, group_sizes: jax.Array, f
     mine = ((index >= start) & (index < end))[:, None]
     # The kernel leaves rows outside the groups unwritten, in its output and in its rows'
     # gradient: masking its input as well as its output keeps them out of both.
-    padded = -(-m // ROW_TILE) * ROW_TILE
-    rows = jnp.pad(jnp.where(mine, rows, 0), ((0, padded - m), (0, 0)))
-    out = ops.gmm(rows, kernel, group_sizes, rows.dtype, (ROW_TILE, _tile(k), _tile(n)),
-                  first_group.astype(jnp.int32), None, False, interpret)[:m]
+    # Widths that are not a multiple of the lane are padded with zeros: the kernel's backward
+    # swaps the k and n tiles, so a whole-dimension tile of one width fails against the other
+    # (a d_model 64, d_ff 96 model did not compile for v5p-8).
+    padded_k, padded_n = _round_up(k, LANE), _round_up(n, LANE)
+    rows = jnp.pad(jnp.where(mine, rows, 0), ((0, _round_up(m, ROW_TILE) - m), (0, padded_k - k)))
+    kernel = jnp.pad(kernel, ((0, 0), (0, padded_k - k), (0, padded_n - n)))
+    out = ops.gmm(rows, kernel, group_sizes, rows.dtype, (ROW_TILE, _tile(padded_k), _tile(padded_n)),
+                  first_group.astype(jnp.int32), None, False, interpret)[:m, :n]
     return jnp.where(mine, out, 0)
