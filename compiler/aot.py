@@ -216,7 +216,7 @@ def serve_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig, par
     batch, length = run.serve_batch, run.cache_len
     cache = jax.eval_shape(lambda: init_cache(spec, batch, length))
     cache_shardings = tree_shardings(cache_axes(spec), mesh, rules)
-    if plan.lowering_choices().per_layer_serving:  # CPUs: one array per layer (layer_layout.py)
+    if plan.lowering_choices().serves_per_layer(spec.quantize):  # CPUs: one array per layer (layer_layout.py)
         params, params_shardings = per_layer_abstract(params, params_shardings)
         cache, cache_shardings = per_layer_abstract(cache, cache_shardings)
     logits = named_sharding(("batch", "vocab"), mesh, rules)

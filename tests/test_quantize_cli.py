@@ -36,10 +36,9 @@ def test_quantized_artifact_serves_float_and_quantized_checkpoints(tmp_path):
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["spec"]["quantize"] == "int8+int8-kv"
     decode_inputs = {tuple(leaf["path"]): leaf["dtype"] for leaf in manifest["functions"]["decode"]["inputs"]}
-    # A CPU serving program takes one array per layer: segment 0, layer 0, period block 0.
-    assert decode_inputs[(0, "segments", 0, 0, 0, "attention", "q", "kernel")] == "int8"
-    assert decode_inputs[(0, "segments", 0, 0, 0, "attention", "q", "kernel_scale")] == "float32"
-    assert decode_inputs[(2, "segments", 0, 0, 0, "k")] == "int8"  # the int8 KV cache
+    assert decode_inputs[(0, "segments", 0, 0, "attention", "q", "kernel")] == "int8"
+    assert decode_inputs[(0, "segments", 0, 0, "attention", "q", "kernel_scale")] == "float32"
+    assert decode_inputs[(2, "segments", 0, 0, "k")] == "int8"  # the int8 KV cache
 
     sizes = {}
     for config in ("int8", "int4"):

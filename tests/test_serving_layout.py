@@ -53,3 +53,14 @@ def test_the_abstract_layouts_convert_both_ways():
     assert jax.tree.structure(layered) == jax.tree.structure(jax.eval_shape(per_layer, shapes))
     back = stacked_abstract(layered)
     assert [(a.shape, a.dtype) for a in jax.tree.leaves(back)] == [(a.shape, a.dtype) for a in jax.tree.leaves(shapes)]
+
+
+def test_cpu_plans_serve_quantized_weights_stacked():
+    """One array per layer for float weights (and an int8 KV cache); quantized weights keep the
+    stacked scan, whose conversion decoded faster on CPUs (docs/serving.md)."""
+    from mxc.compiler.lower.choices import LoweringChoices
+
+    cpu, tpu = LoweringChoices.for_platform("cpu"), LoweringChoices.for_platform("tpu")
+    assert cpu.serves_per_layer(None) and cpu.serves_per_layer("fp32") and cpu.serves_per_layer("int8-kv")
+    assert not any(cpu.serves_per_layer(name) for name in ("int8", "w8a8", "int4", "bf16", "fp8", "int8+int8-kv"))
+    assert not tpu.serves_per_layer(None)

@@ -71,7 +71,8 @@ def spec_servable(spec, batch: int, prompt_len: int, cache_len: int, dtype: str,
     from mxc.runtime.layer_layout import per_layer_arrays
 
     run_prefill, run_decode = serving_steps(spec, batch, cache_len, dtype=dtype, images=images)
-    per_layer = lowering_choices().per_layer_serving and not (images and "cross_attention_mask" in images)
+    per_layer = (lowering_choices().serves_per_layer(spec.quantize)
+                 and not (images and "cross_attention_mask" in images))
     return Servable(prefill=jax.jit(run_prefill), decode=jax.jit(run_decode, donate_argnums=2),
                     abstract_params=None, batch=batch, prompt_len=prompt_len, cache_len=cache_len,
                     vocab_size=spec.vocab, prepare=per_layer_arrays if per_layer else Servable.prepare)

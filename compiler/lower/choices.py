@@ -55,6 +55,14 @@ class LoweringChoices:
                    grouped_matmul="megablox" if tpu else "ragged_dot", ragged_all_to_all=tpu,
                    per_layer_serving=cpu)
 
+    def serves_per_layer(self, quantize: str | None) -> bool:
+        """Whether serving programs for a spec quantized as `quantize` take one array per layer:
+        not with quantized weights, whose per-layer conversion decoded 2-4x slower than the
+        stacked scan's on CPUs (docs/serving.md)."""
+        from mxc.compiler.quant.config import parse
+
+        return self.per_layer_serving and not parse(quantize or "fp32").quantizes_weights
+
     def with_recorded(self, recorded: dict) -> "LoweringChoices":
         """These choices with those a plan file records (the rest stay the platform's)."""
         return dataclasses.replace(self, **recorded)
