@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from image_train_steps import one_train_step  # noqa: E402
 from test_llama4_vision import IMAGE_TOKENS, _tiny_spec  # noqa: E402
 
 from mxc.runtime.data import ImagePackedSequences  # noqa: E402
@@ -73,9 +74,6 @@ def _reference_loss(spec, params, rows) -> float:
 
 
 def test_the_steps_loss_equals_the_forward_pass_document_by_document(tmp_path):
-    from mxc.compiler.lower.optimizer import OptimizerConfig
-    from mxc.compiler.lower.train import init_train_state, make_train_step
-
     spec = _tiny_spec().model_copy(update={"param_dtype": "float32", "compute_dtype": "float32"})
     write_image_tokens(tmp_path / "pairs.bin", _examples(12, seed=2), vocab_size=VOCAB, eod_id=EOD,
                        placeholder=PLACEHOLDER, tokens_per_image=PER_IMAGE, begin=BEGIN, end=END)
@@ -83,11 +81,7 @@ def test_the_steps_loss_equals_the_forward_pass_document_by_document(tmp_path):
     packed = ImagePackedSequences(data, open_images(data), 48, 2)
     rows = packed.rows(np.arange(4))
     assert rows["image_mask"].sum() >= 3 and len(np.unique(rows["segment_ids"][0])) > 1
-    config = OptimizerConfig(learning_rate=1e-2, total_steps=10, warmup_steps=0)
-    state = init_train_state(spec, config, jax.random.key(0))
-    state = state._replace(params=_moved(state.params, seed=3))
-    step = jax.jit(make_train_step(spec, config, remat="none"))
-    after, metrics = step(state, {k: jnp.asarray(v) for k, v in rows.items()})
+    state, after, metrics = one_train_step(spec, rows, remat="none", moved=lambda p: _moved(p, seed=3))
     # cross_entropy: the loss without the experts' load-balancing term
     assert float(metrics["cross_entropy"]) == pytest.approx(_reference_loss(spec, state.params, rows), abs=1e-5)
     assert not np.array_equal(state.params["vision"]["projector"]["kernel"], after.params["vision"]["projector"]["kernel"])

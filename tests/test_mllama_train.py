@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from image_train_steps import one_train_step
 from mxc.runtime.data import ImagePackedSequences
 from mxc.runtime.image_file import TiledImage, open_images, write_image_tokens
 from mxc.runtime.token_file import open_tokens
@@ -206,19 +207,12 @@ def _reference_loss(spec, params, rows) -> float:
 @pytest.mark.slow  # jit of the tiny train step and the reference forwards: about a minute under load
 def test_the_steps_loss_equals_the_forward_pass_document_by_document(tmp_path, spec):
     pytest.importorskip("transformers")
-    from mxc.compiler.lower.optimizer import OptimizerConfig
-    from mxc.compiler.lower.train import init_train_state, make_train_step
-
     packed, rows = _packed(tmp_path, 16, seed=2, seq=24, slots=3)
     rows = {k: v[:4] for k, v in rows.items()}
     documents = [slots for r in range(4) for _, slots in _documents(rows, r)]
     assert any(len(s) == 0 for s in documents) and any(len(s) == 2 for s in documents)
-    config = OptimizerConfig(learning_rate=1e-2, total_steps=10, warmup_steps=0)
-    state = init_train_state(spec, config, jax.random.key(0))
-    state = state._replace(params=_moved(state.params, seed=3))
     # full remat: the tower's encoder layers and the text's run rematerialised, as the planner's plans run them
-    step = jax.jit(make_train_step(spec, config, remat="full"))
-    after, metrics = step(state, {k: jnp.asarray(v) for k, v in rows.items()})
+    state, after, metrics = one_train_step(spec, rows, remat="full", moved=lambda p: _moved(p, seed=3))
     assert float(metrics["loss"]) == pytest.approx(_reference_loss(spec, state.params, rows), abs=1e-5)
     # the tower learns through the cross layers
     assert not np.array_equal(state.params["vision"]["projector"]["kernel"], after.params["vision"]["projector"]["kernel"])

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from image_train_steps import one_train_step
 from mxc.runtime.data import DataError, ImagePackedSequences, image_rows
 from mxc.runtime.image_file import open_images, sidecar_path, write_image_tokens
 from mxc.runtime.token_file import TokenFileError, open_tokens, write_tokens
@@ -168,18 +169,12 @@ def _reference_loss(spec, params, rows) -> float:
 
 @pytest.mark.slow  # jit of the tiny train step: 1-2 min on this loaded 2-core host
 def test_the_steps_loss_equals_the_forward_pass_document_by_document(tmp_path, spec):
-    from mxc.compiler.lower.optimizer import OptimizerConfig
-    from mxc.compiler.lower.train import init_train_state, make_train_step
-
     _write(tmp_path / "pairs.bin", _examples(12, seed=2))
     data = open_tokens(tmp_path / "pairs.bin")
     packed = ImagePackedSequences(data, open_images(data), 24, 2)
     rows = packed.rows(np.arange(4))
     assert rows["image_mask"].sum() >= 3 and len(np.unique(rows["segment_ids"][0])) > 1
-    config = OptimizerConfig(learning_rate=1e-2, total_steps=10, warmup_steps=0)
-    state = init_train_state(spec, config, jax.random.key(0))
-    step = jax.jit(make_train_step(spec, config, remat="none"))
-    _, metrics = step(state, {k: jnp.asarray(v) for k, v in rows.items()})
+    state, _, metrics = one_train_step(spec, rows, remat="none")
     assert float(metrics["loss"]) == pytest.approx(_reference_loss(spec, state.params, rows), abs=1e-5)
 
 
