@@ -26,8 +26,10 @@ def _llama3(inv_freq: np.ndarray, s: Llama3Scaling) -> np.ndarray:
     high_wavelen = s.original_max_seq / s.high_freq
     wavelen = 2 * math.pi / inv_freq
     scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_seq / wavelen - s.low_freq) / (s.high_freq - s.low_freq)
-    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    # Llama 4 sets low_freq == high_freq: no band to blend, and `medium` selects nothing of it.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        smooth = (s.original_max_seq / wavelen - s.low_freq) / (s.high_freq - s.low_freq)
+        blended = (1 - smooth) * scaled / s.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, blended, scaled)
 
