@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from image_train_steps import one_train_step  # noqa: E402
+from image_train_steps import masked_nll, one_train_step  # noqa: E402
 from test_llama4_vision import IMAGE_TOKENS, _tiny_spec  # noqa: E402
 
 from mxc.runtime.data import ImagePackedSequences  # noqa: E402
@@ -64,12 +64,8 @@ def _reference_loss(spec, params, rows) -> float:
             pixels = np.stack([next(images) for _ in range(count_images)]) if count_images else None
             logits, _ = forward(spec, params, jnp.asarray(tokens[None]),
                                 pixel_values=None if pixels is None else jnp.asarray(pixels))
-            logits = np.asarray(logits[0], np.float64)
-            top = logits.max(-1, keepdims=True)
-            log_probs = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
-            targets, mask = rows["targets"][r, where], rows["mask"][r, where]
-            total -= float(np.sum(log_probs[np.arange(len(where)), targets] * mask))
-            count += int(mask.sum())
+            nll, counted = masked_nll(logits[0], rows["targets"][r, where], rows["mask"][r, where])
+            total, count = total + nll, count + counted
     return total / count
 
 

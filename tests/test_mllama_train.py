@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from image_train_steps import one_train_step
+from image_train_steps import masked_nll, one_train_step, train_step_batch_shapes
 from mxc.runtime.data import ImagePackedSequences
 from mxc.runtime.image_file import TiledImage, open_images, write_image_tokens
 from mxc.runtime.token_file import open_tokens
@@ -195,12 +195,8 @@ def _reference_loss(spec, params, rows) -> float:
                     cross_attention_mask=jnp.asarray(_processor_mask(rows["inputs"][r, where], counts)[None]))
             else:
                 logits, _ = cross_attention.forward(spec, params, tokens)
-            logits = np.asarray(logits[0], np.float64)
-            top = logits.max(-1, keepdims=True)
-            log_probs = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
-            targets, mask = rows["targets"][r, where], rows["mask"][r, where]
-            total -= float(np.sum(log_probs[np.arange(len(where)), targets] * mask))
-            count += int(mask.sum())
+            nll, counted = masked_nll(logits[0], rows["targets"][r, where], rows["mask"][r, where])
+            total, count = total + nll, count + counted
     return total / count
 
 
@@ -235,8 +231,7 @@ def test_a_tiny_mllama_plans_compiles_for_cpu8_and_trains_with_a_falling_loss(tm
                           timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     manifest = json.loads((tmp_path / "artifact" / "manifest.json").read_text())
-    shapes = {tuple(leaf["path"][1:]): leaf["shape"] for leaf in manifest["functions"]["train_step"]["inputs"]
-              if leaf["path"][0] == 1}
+    shapes = train_step_batch_shapes(manifest)
     assert shapes[("pixel_values",)] == [8, 2, TILES, 3, 8, 8] and shapes[("aspect_ratio_ids",)] == [8, 2]
 
     # Captions a model can only get right by looking: the image's brightness names the words.

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from image_train_steps import one_train_step
+from image_train_steps import masked_nll, one_train_step, train_step_batch_shapes
 from mxc.runtime.data import DataError, ImagePackedSequences, image_rows
 from mxc.runtime.image_file import open_images, sidecar_path, write_image_tokens
 from mxc.runtime.token_file import TokenFileError, open_tokens, write_tokens
@@ -158,12 +158,8 @@ def _reference_loss(spec, params, rows) -> float:
             pixels = np.stack([next(images) for _ in range(count_images)]) if count_images else None
             logits, _ = forward(spec, params, jnp.asarray(tokens[None]),
                                 pixel_values=None if pixels is None else jnp.asarray(pixels))
-            logits = np.asarray(logits[0], np.float64)
-            log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
-                - logits.max(-1, keepdims=True)
-            targets, mask = rows["targets"][r, where], rows["mask"][r, where]
-            total -= float(np.sum(log_probs[np.arange(len(where)), targets] * mask))
-            count += int(mask.sum())
+            nll, counted = masked_nll(logits[0], rows["targets"][r, where], rows["mask"][r, where])
+            total, count = total + nll, count + counted
     return total / count
 
 
@@ -218,8 +214,7 @@ def test_a_tiny_multimodal_gemma3_trains_on_cpu8_and_resumes_bitwise(tmp_path):
                           timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     manifest = json.loads((tmp_path / "artifact" / "manifest.json").read_text())
-    shapes = {tuple(leaf["path"][1:]): leaf["shape"] for leaf in manifest["functions"]["train_step"]["inputs"]
-              if leaf["path"][0] == 1}
+    shapes = train_step_batch_shapes(manifest)
     assert shapes[("pixel_values",)] == [8, 1, 3, 28, 28] and shapes[("image_mask",)] == [8, 1]
 
     # Captions a model can only get right by looking: the image's brightness names the words.
