@@ -20,6 +20,14 @@ bottom, rescaled and normalised in bfloat16 (as the processor does), and cut int
 row-major order; with more than one tile a global tile (the whole image squashed to one tile)
 follows. transformers resizes with torchvision's antialiased bilinear kernel on uint8, which
 differs from Pillow's by one level in a few pixels (docs/multimodal.md has the measure).
+
+Llama 3.2 Vision (`linear` projector, a tiled tower): MllamaImageProcessorPil's steps. The canvas of
+at most the tower's `tiles.max` tiles (runtime/image_tiles.py chooses it, in float64 and its own
+order), the image resized into it keeping its aspect ratio (never upscaled past one tile) with
+Pillow's bilinear filter, black padding right and bottom, rescaled and normalised as Gemma 3's
+(float64 then float32) but with OpenAI CLIP's mean and std, cut into tiles row by row; no global
+tile. The tower's inputs beside the pixels (arrangement ids, tile and cross-attention masks) are
+image_tiles.py's.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ class Preprocessing:
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     rescale: float = 1 / 255  # the configs' 0.00392156862745098
-    max_tiles: int = 1  # Llama 4's max_patches: tiles per image, the global tile aside
+    max_tiles: int = 1  # Llama 4's max_patches: tiles per image, the global tile aside (mllama: the tower's)
     bfloat16: bool = False  # Llama 4 rescales and normalises in bfloat16
 
 
@@ -53,6 +61,11 @@ PREPROCESSING = {
     "avg_pool": Preprocessing("gemma3", mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)),
     "pixel_shuffle": Preprocessing("llama4", mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), max_tiles=16,
                                    bfloat16=True),
+    # meta-llama/Llama-3.2-11B-Vision(-Instruct)'s preprocessor_config.json: OpenAI CLIP's mean and
+    # std (transformers' OPENAI_CLIP_MEAN / OPENAI_CLIP_STD), bilinear, 1/255; the processor class's
+    # own defaults (0.5) are overridden there. Its max_image_tiles (4) is the tower's tiles.max.
+    "linear": Preprocessing("mllama", mean=(0.48145466, 0.4578275, 0.40821073),
+                            std=(0.26862954, 0.26130258, 0.27577711)),
 }
 
 
@@ -109,7 +122,7 @@ def _normalise(rgb: np.ndarray, prep: Preprocessing) -> np.ndarray:
 @dataclass(frozen=True)
 class ImagePixels:
     pixels: np.ndarray  # float32 [tiles, 3, side, side]: one entry of pixel_values per tile
-    tile_rows: int = 1  # Llama 4's canvas, in tiles; a global tile follows when rows * cols > 1
+    tile_rows: int = 1  # the canvas, in tiles (Llama 4: a global tile follows when rows * cols > 1)
     tile_cols: int = 1
 
 
@@ -149,12 +162,27 @@ def _llama4_tiles(rgb: np.ndarray, side: int, prep: Preprocessing) -> ImagePixel
     new_h, new_w = _size_without_distortion(height, width, target_h, target_w)
     canvas = np.zeros((canvas_h, canvas_w, 3), np.uint8)  # black padding, right and bottom
     canvas[:new_h, :new_w] = _resize(rgb, new_h, new_w)
-    pixels = _normalise(canvas, prep)
     rows, cols = canvas_h // side, canvas_w // side
-    tiles = pixels.reshape(3, rows, side, cols, side).transpose(1, 3, 0, 2, 4).reshape(rows * cols, 3, side, side)
+    tiles = _split_tiles(_normalise(canvas, prep), rows, cols, side)
     if rows * cols > 1:
         tiles = np.concatenate([tiles, _normalise(_resize(rgb, side, side), prep)[None]])
     return ImagePixels(np.ascontiguousarray(tiles), rows, cols)
+
+
+def _split_tiles(pixels: np.ndarray, rows: int, cols: int, side: int) -> np.ndarray:
+    """float32 [3, rows * side, cols * side] -> [rows * cols, 3, side, side], row by row."""
+    return pixels.reshape(3, rows, side, cols, side).transpose(1, 3, 0, 2, 4).reshape(rows * cols, 3, side, side)
+
+
+def _mllama_tiles(rgb: np.ndarray, side: int, max_tiles: int, prep: Preprocessing) -> ImagePixels:
+    from mxc.runtime.image_tiles import best_tiling, fitted_size
+
+    height, width = rgb.shape[:2]
+    rows, cols = best_tiling(height, width, max_tiles, side)
+    new_h, new_w = fitted_size(height, width, rows, cols, side)
+    canvas = np.zeros((rows * side, cols * side, 3), np.uint8)  # black padding, normalised with the image
+    canvas[:new_h, :new_w] = _resize(rgb, new_h, new_w)
+    return ImagePixels(np.ascontiguousarray(_split_tiles(_normalise(canvas, prep), rows, cols, side)), rows, cols)
 
 
 def image_pixels(tower: VisionTower, rgb: np.ndarray) -> ImagePixels:
@@ -164,6 +192,8 @@ def image_pixels(tower: VisionTower, rgb: np.ndarray) -> ImagePixels:
         raise ImageInputError(f"--image: the tower takes {tower.patches.channels} channels; image files give 3")
     if prep.family == "llama4":
         return _llama4_tiles(rgb, tower.image, prep)
+    if prep.family == "mllama":
+        return _mllama_tiles(rgb, tower.image, tower.tiles.max, prep)
     return ImagePixels(_normalise(_resize(rgb, tower.image, tower.image), prep)[None])
 
 
@@ -180,10 +210,13 @@ def placeholder_count(tower: VisionTower, image: ImagePixels) -> int:
 
 def image_marker(tower: VisionTower, token_text) -> str:
     """The text a prompt holds where an image goes: the processor's marker (Gemma 3:
-    `<start_of_image>`, the begin token; Llama 4: `<|image|>`)."""
+    `<start_of_image>`, the begin token; Llama 4: `<|image|>`; Llama 3.2 Vision: its image token's
+    text, `<|image|>` in its tokenizer)."""
     prep = preprocessing_for(tower)
     if prep.family == "llama4":
         return "<|image|>"
+    if prep.family == "mllama":
+        return token_text(tower.entry.token)
     return token_text(tower.entry.begin)
 
 
@@ -191,6 +224,8 @@ def expanded_image_text(tower: VisionTower, image: ImagePixels, token_text) -> s
     """What the processor writes in place of one marker. token_text(id) gives a token's text."""
     from mxc.compiler.kinds.vision import tokens_per_image
 
+    if preprocessing_for(tower).family == "mllama":  # one image token each, the cross layers' to see
+        return token_text(tower.entry.token)
     per_tile = token_text(tower.entry.token) * tokens_per_image(tower)
     begin, end = token_text(tower.entry.begin), token_text(tower.entry.end)
     if preprocessing_for(tower).family == "gemma3":  # Gemma3Processor's full_image_sequence

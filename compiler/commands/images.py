@@ -20,8 +20,8 @@ def add_images_argument(parser) -> None:
     parser.add_argument("--image", action="append", metavar="FILE.png",
                         help="an image file, preprocessed as the model's HF processor does (repeat for more "
                              "images, in prompt order); with --prompt TEXT write the image marker where each "
-                             "image goes (Gemma 3: <start_of_image>, Llama 4: <|image|>); with token ids, the "
-                             "placeholders as the processor lays them out")
+                             "image goes (Gemma 3: <start_of_image>, Llama 4 and Llama 3.2 Vision: <|image|>); "
+                             "with token ids, the placeholders as the processor lays them out")
 
 
 def image_files(files: list[str] | None, spec) -> list:
@@ -43,7 +43,8 @@ def text_prompt_ids(tokenizer, prompt: str, chat: bool, spec, images: list):
     (after the chat template, as the processor sees the rendered text)."""
     import numpy as np
 
-    from mxc.runtime.image_preprocess import ImageInputError, expand_image_markers
+    from mxc.runtime.image_preprocess import ImageInputError, expand_image_markers, image_marker, preprocessing_for
+    from mxc.runtime.image_tiles import with_begin_after_leading_images
 
     def token_text(token: int) -> str:
         text = tokenizer.tokenizer.id_to_token(token)
@@ -54,6 +55,9 @@ def text_prompt_ids(tokenizer, prompt: str, chat: bool, spec, images: list):
 
     text = tokenizer.chat_text(prompt) if chat else prompt
     try:
+        bos = tokenizer.special("bos_token")
+        if preprocessing_for(spec.vision).family == "mllama" and bos and not chat:
+            text = with_begin_after_leading_images(text, bos, image_marker(spec.vision, token_text))
         text = expand_image_markers(text, spec.vision, images, token_text)
     except ImageInputError as err:
         raise UserError(str(err)) from None
@@ -84,6 +88,8 @@ def read_images(path: str | None, spec, tokens, images: list | None = None) -> d
 
     tower = spec.vision
     if isinstance(tower.entry, CrossAttentionEntry):
+        if images:
+            arrays = _tiled_image_inputs(images, tower, tokens)
         return _cross_attention_inputs(arrays, tower, tokens)
     pixels = arrays.get("pixel_values")
     want = (tower.patches.channels, tower.image, tower.image)
@@ -105,6 +111,33 @@ def read_images(path: str | None, spec, tokens, images: list | None = None) -> d
                             f"{list(tokens.shape)}")
         inputs["token_type_ids"] = types.astype(np.int32)
     return inputs
+
+
+def _tiled_image_inputs(images: list, tower, tokens) -> dict:
+    """--image files for Llama 3.2 Vision as MllamaProcessor batches them: row b's k-th image token
+    takes the next file; images and tiles padded with zeros; the cross-attention mask from the tokens."""
+    import numpy as np
+
+    from mxc.runtime.image_tiles import aspect_ratio_id, aspect_ratio_mask, cross_attention_mask
+
+    per_row = (tokens == tower.entry.token).sum(axis=1).tolist()
+    if sum(per_row) != len(images):
+        raise UserError(f"--image: {len(images)} image file(s) for {sum(per_row)} image token(s) "
+                        f"({tower.entry.token}) in the prompt; each image needs one, where it goes")
+    max_tiles, rows = tower.tiles.max, []
+    for count in per_row:
+        rows.append(images[:count])
+        images = images[count:]
+    pixels = np.zeros((len(rows), max(per_row), max_tiles, tower.patches.channels, tower.image, tower.image),
+                      np.float32)
+    ids = np.zeros(pixels.shape[:2], np.int32)
+    for b, row in enumerate(rows):
+        for i, image in enumerate(row):
+            pixels[b, i, :len(image.pixels)] = image.pixels
+            ids[b, i] = aspect_ratio_id(image.tile_rows, image.tile_cols, max_tiles)
+    tiles = [[len(image.pixels) for image in row] for row in rows]
+    return {"pixel_values": pixels, "aspect_ratio_ids": ids, "aspect_ratio_mask": aspect_ratio_mask(tiles, max_tiles),
+            "cross_attention_mask": cross_attention_mask(np.asarray(tokens), tower.entry.token, tiles, max_tiles)}
 
 
 def _cross_attention_inputs(arrays: dict, tower, tokens) -> dict:
