@@ -165,6 +165,12 @@ def add_tokenize_parser(subparsers) -> None:
     parser.add_argument("--split", choices=SPLITS, default="file",
                         help="what one document is in a text file (default: the whole file)")
     parser.add_argument("--text-key", default="text", metavar="KEY", help="the text field of .jsonl records")
+    parser.add_argument("--model", metavar="MODEL",
+                        help="a vision model (model directory, zoo name or .mspec): the images of .jsonl records "
+                             "preprocessed for its tower into TOKENS.bin.images/ (docs/runtime.md); a model "
+                             "directory's tokenizer is the default --tokenizer")
+    parser.add_argument("--images-key", default="images", metavar="KEY",
+                        help="with --model: the field of .jsonl records listing image files")
     parser.set_defaults(func=tokenize_command)
 
 
@@ -369,9 +375,17 @@ def generate_command(args) -> int:
 def tokenize_command(args) -> int:
     from mxc.runtime.tokenize import load_tokenizer, tokenize_files
 
-    result = tokenize_files(args.inputs, args.output, tokenizer=load_tokenizer(args.tokenizer, args.eod_token),
-                            split=args.split, text_key=args.text_key)
-    print(f"{args.output}: {result['tokens']:,} tokens in {result['documents']:,} documents "
+    if args.model is not None:  # image-text records: a sidecar beside the tokens
+        from mxc.runtime.tokenize_images import model_tokenizer, tokenize_with_images
+
+        tokenizer = load_tokenizer(model_tokenizer(args.model, args.tokenizer), args.eod_token)
+        result = tokenize_with_images(args.inputs, args.output, tokenizer=tokenizer, model=args.model,
+                                      split=args.split, text_key=args.text_key, images_key=args.images_key)
+    else:
+        result = tokenize_files(args.inputs, args.output, tokenizer=load_tokenizer(args.tokenizer, args.eod_token),
+                                split=args.split, text_key=args.text_key)
+    images = f", {result['images']:,} images" if "images" in result else ""
+    print(f"{args.output}: {result['tokens']:,} tokens in {result['documents']:,} documents{images} "
           f"({result['tokenizer']}, vocabulary {result['vocab_size']:,}, end of document {result['eod_id']})",
           file=sys.stderr)
     return EXIT_OK

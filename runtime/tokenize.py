@@ -39,6 +39,7 @@ class Tokenizer:
     vocab_size: int
     eod_id: int
     encode: Callable[[str], list[int]]
+    token_text: Callable[[int], str | None] | None = None  # an id's text (None: no such id); bytes have none
 
 
 def byte_tokenizer() -> Tokenizer:
@@ -58,7 +59,7 @@ def hf_tokenizer(path: Path, eod_token: str | None = None) -> Tokenizer:
         raise TokenizerError(f"{path}: none of {', '.join(names)} is in the vocabulary; "
                              f"name the end-of-document token with --eod-token")
     return Tokenizer(path.name, tokenizer.get_vocab_size(with_added_tokens=True), eod_id,
-                     lambda text: tokenizer.encode(text, add_special_tokens=False).ids)
+                     lambda text: tokenizer.encode(text, add_special_tokens=False).ids, tokenizer.id_to_token)
 
 
 def sentencepiece_tokenizer(path: Path, eod_token: str | None = None) -> Tokenizer:
@@ -71,7 +72,9 @@ def sentencepiece_tokenizer(path: Path, eod_token: str | None = None) -> Tokeniz
     eod_id = processor.piece_to_id(eod_token) if eod_token else processor.eos_id()
     if eod_id is None or eod_id < 0 or (eod_token and processor.id_to_piece(eod_id) != eod_token):
         raise TokenizerError(f"{path}: no end-of-document token; name one with --eod-token")
-    return Tokenizer(path.name, processor.get_piece_size(), eod_id, lambda text: processor.encode(text))
+    size = processor.get_piece_size()
+    return Tokenizer(path.name, size, eod_id, lambda text: processor.encode(text),
+                     lambda token: processor.id_to_piece(token) if 0 <= token < size else None)
 
 
 def load_tokenizer(path: str | None, eod_token: str | None = None) -> Tokenizer:
