@@ -135,6 +135,42 @@ def image_slots(spec: ModelSpec, images_per_row: int | None = None) -> tuple[int
     return (1 if images_per_row is None else images_per_row, *tiles, tower.patches.channels, tower.image, tower.image)
 
 
+def serving_image_inputs(spec: ModelSpec, batch: int, prompt_len: int,
+                         images: tuple[int, ...] | None) -> dict | None:
+    """What a vision model's prefill takes beside its tokens, as ShapeDtypeStructs: each row's
+    images in fixed slots (`images`: image_slots' shape) with image_mask [batch, slots] (False for an
+    empty slot); a tiled tower (Llama 3.2 Vision) also takes the processor's aspect_ratio_ids
+    [batch, slots], aspect_ratio_mask [batch, slots, tiles] and cross_attention_mask
+    [batch, prompt_len, slots, tiles]. None without images."""
+    if images is None:
+        return None
+    slots = images[0]
+    out = {"pixel_values": jax.ShapeDtypeStruct((batch, *images), jnp.float32),
+           "image_mask": jax.ShapeDtypeStruct((batch, slots), jnp.bool_)}
+    if len(images) == 5:
+        tiles = images[1]
+        out.update(aspect_ratio_ids=jax.ShapeDtypeStruct((batch, slots), jnp.int32),
+                   aspect_ratio_mask=jax.ShapeDtypeStruct((batch, slots, tiles), jnp.int32),
+                   cross_attention_mask=jax.ShapeDtypeStruct((batch, prompt_len, slots, tiles), jnp.int32))
+    return out
+
+
+def serving_image_record(spec: ModelSpec, run: RunConfig) -> dict | None:
+    """The manifest's account of a serving artifact's image slots (run.serve_images), which the
+    runtime reads to place a request's images in them: the placeholder or image token, the tokens
+    each image fills (a tiled tower's: one image token each), and the slots per row; the arrays'
+    shapes are the prefill's inputs."""
+    from mxc.compiler.kinds.vision import tokens_per_image
+    from mxc.spec.ir import CrossAttentionEntry
+
+    shape = image_slots(spec, run.images_per_row)
+    if not run.serve or shape is None:
+        return None
+    cross = isinstance(spec.vision.entry, CrossAttentionEntry)
+    return {"entry": "cross_attention" if cross else "placeholder", "token": spec.vision.entry.token,
+            "tokens_per_image": 1 if cross else tokens_per_image(spec.vision), "slots": shape[0]}
+
+
 def batch_shardings(batch: dict, mesh: Mesh, rules) -> dict:
     """Token arrays split as (batch, seq); image arrays along their rows only."""
     tokens = named_sharding(("batch", "seq"), mesh, rules)
@@ -205,7 +241,8 @@ def model_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig) -> 
 
 def serve_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig, params,
                     params_shardings) -> list[Traceable]:
-    from mxc.compiler.lower.decode import cache_axes, init_cache, serving_steps
+    from mxc.compiler.kinds.vision import tokens_per_image
+    from mxc.compiler.lower.decode import cache_axes, cross_attention_model, init_cache, serving_steps
     from mxc.runtime.layer_layout import per_layer_abstract
     from mxc.compiler.lower.sharding import tree_shardings
 
@@ -214,9 +251,15 @@ def serve_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig, par
     rules = plan.rules_tuples()
     params, params_shardings = serving_params(spec, params, params_shardings)  # quantized weights, if any
     batch, length = run.serve_batch, run.cache_len
-    cache = jax.eval_shape(lambda: init_cache(spec, batch, length))
-    cache_shardings = tree_shardings(cache_axes(spec), mesh, rules)
-    if plan.lowering_choices().serves_per_layer(spec.quantize):  # CPUs: one array per layer (layer_layout.py)
+    # A vision model's prefill takes each row's images in fixed slots (masked where empty).
+    slots = image_slots(spec, run.images_per_row)
+    images = serving_image_inputs(spec, batch, run.prompt_len, slots)
+    cross = images is not None and cross_attention_model(spec)
+    image_tokens = slots[0] * tokens_per_image(spec.vision) if cross else None
+    cache = jax.eval_shape(lambda: init_cache(spec, batch, length, image_tokens=image_tokens))
+    cache_shardings = tree_shardings(cache_axes(spec, image_tokens=cross), mesh, rules)
+    # CPUs: one array per layer (layer_layout.py); the cross-attention image path runs stacked only.
+    if plan.lowering_choices().serves_per_layer(spec.quantize) and not cross:
         params, params_shardings = per_layer_abstract(params, params_shardings)
         cache, cache_shardings = per_layer_abstract(cache, cache_shardings)
     logits = named_sharding(("batch", "vocab"), mesh, rules)
@@ -224,13 +267,18 @@ def serve_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig, par
     rows = named_sharding(("batch",), mesh, rules)
     attention = "xla" if plan.attention.startswith("splash") else plan.attention  # decode never uses splash
     run_prefill, run_decode = (_traced_as_planned(plan, fn)
-                               for fn in serving_steps(spec, batch, length, attention_impl=attention))
+                               for fn in serving_steps(spec, batch, length, attention_impl=attention,
+                                                       image_slots=images is not None))
+    prefill_args = (params, jax.ShapeDtypeStruct((batch, run.prompt_len), jnp.int32),
+                    jax.ShapeDtypeStruct((batch,), jnp.int32))
+    prefill_shardings = (params_shardings, tokens, rows)
+    if images is not None:
+        prefill_args += (images,)
+        prefill_shardings += (batch_shardings(images, mesh, rules),)
 
     return [
-        Traceable("prefill", run_prefill, ("params", "tokens", "lengths"),
-                  (params, jax.ShapeDtypeStruct((batch, run.prompt_len), jnp.int32),
-                   jax.ShapeDtypeStruct((batch,), jnp.int32)), (params_shardings, tokens, rows),
-                  lambda _: (logits, cache_shardings)),
+        Traceable("prefill", run_prefill, ("params", "tokens", "lengths") + (("images",) if images else ()),
+                  prefill_args, prefill_shardings, lambda _: (logits, cache_shardings)),
         Traceable("decode", run_decode, ("params", "tokens", "cache"),
                   (params, jax.ShapeDtypeStruct((batch,), jnp.int32), cache),
                   (params_shardings, rows, cache_shardings),
@@ -450,11 +498,19 @@ def build_artifact(spec: ModelSpec, topology: Topology, devices: list, plan: Pla
                        0.0 if train_step is None else train_step.seconds.get("compile", 0.0))
     manifest = Manifest(
         format_version=FORMAT_VERSION, model=spec.name, spec=spec_json, spec_hash=spec_hash(spec),
-        plan=plan_json(plan), run=run.to_json(), topology=record, versions=installed_versions(),
+        plan=plan_json(plan), run=_run_record(spec, run), topology=record, versions=installed_versions(),
         functions=functions, files={}, estimate=estimate(spec, record, topology.chip.peak_bf16_flops, run, plan),
         compiler_options=options, compile_seconds=round(time.perf_counter() - started, 3),
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     return manifest, files
+
+
+def _run_record(spec: ModelSpec, run: RunConfig) -> dict:
+    record = run.to_json()
+    serve_images = serving_image_record(spec, run)
+    if serve_images is not None:
+        record["serve_images"] = serve_images
+    return record
 
 
 @dataclass(frozen=True)

@@ -143,6 +143,9 @@ def add_generate_parser(subparsers) -> None:
     parser.add_argument("artifact", metavar="ARTIFACT")
     parser.add_argument("--params", required=True, metavar="CKPT",
                         help="a --ckpt-dir of mxc run (its newest step), one step of it, or saved parameters")
+    parser.add_argument("--images", metavar="INPUTS.npz",
+                        help="a vision model's artifact: image inputs as the HF processor makes them, placed in "
+                             "the prefill's image slots (runtime/serving_images.py)")
     add_generation_arguments(parser)
     add_trust_arguments(parser)
     add_distributed_arguments(parser)
@@ -340,6 +343,7 @@ def generate_command(args) -> int:
         prompts, text = generation_inputs(args, args.tokenizer)
     except TextError as err:
         raise CommandError(str(err)) from None
+    images = _serving_images(args.images, args.artifact, prompts)
     _start_processes(args)  # nothing may import jax before it (prompt files and tokenizers import numpy only)
     sampling = sampling_from(args)
     import jax
@@ -354,7 +358,7 @@ def generate_command(args) -> int:
     if text is not None:
         text.silent = jax.process_index() != 0
     tokens, report = generate(servable, params, prompts, args.max_new, sampling=sampling, seed=args.seed,
-                              on_tokens=text.on_tokens if text is not None else None)
+                              on_tokens=text.on_tokens if text is not None else None, images=images)
     if jax.process_index() == 0:
         if text is not None:
             text.finish()
@@ -370,6 +374,35 @@ def generate_command(args) -> int:
               + (f"{rate:.1f} tokens/s per user" if rate else "one token each")
               + f", {report.total_tokens_per_second:.1f} tokens/s in all", file=sys.stderr)
     return EXIT_OK
+
+
+def _serving_images(path: str | None, artifact: str, prompts):
+    """--images INPUTS.npz placed in the artifact's image slots (None without --images), checked
+    against its manifest before anything is loaded."""
+    import zipfile
+
+    import numpy as np
+
+    from mxc.runtime.artifact_reader import read_manifest
+    from mxc.runtime.serving_images import ImageSlotError, image_slots_of
+
+    if path is None:
+        return None
+    manifest = read_manifest(artifact)
+    prefill = manifest.functions.get("prefill")
+    slots = None if prefill is None else image_slots_of(manifest, prefill)
+    if slots is None:
+        raise CommandError("--images: this artifact's prefill takes no images (a vision model compiled with "
+                           "mxc compile --serve takes them)")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {name: data[name] for name in data.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as err:
+        raise CommandError(f"--images: cannot read {path}: {err}") from None
+    try:
+        return slots.place(arrays, np.asarray(prompts), manifest.run["prompt_len"])
+    except ImageSlotError as err:
+        raise CommandError(str(err)) from None
 
 
 def tokenize_command(args) -> int:

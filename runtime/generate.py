@@ -40,7 +40,7 @@ class GenerationError(ValueError):
 
 @dataclass(frozen=True)
 class Servable:
-    prefill: Callable  # (params, tokens [batch, prompt_len], lengths [batch]) -> (logits [batch, vocab], cache)
+    prefill: Callable  # (params, tokens [batch, prompt_len], lengths [batch][, images]) -> (logits [batch, vocab], cache)
     decode: Callable  # (params, tokens [batch], cache) -> (logits, cache); consumes the cache
     abstract_params: object  # ShapeDtypeStructs with this mesh's shardings (None: params are given as arrays)
     batch: int
@@ -50,6 +50,9 @@ class Servable:
     # A checkpoint's parameters (as abstract_params lays them out) -> those prefill and decode take:
     # one array per layer where they were compiled so (runtime/layer_layout.py).
     prepare: Callable = lambda params: params  # noqa: E731
+    # A vision model's artifact: the image slots its prefill takes as a fourth argument
+    # (runtime/serving_images.py); None: the prefill takes no images (or has them built in).
+    image_slots: object = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class GenerationReport:
 
 def servable_from_program(program) -> Servable:
     from mxc.runtime.layer_layout import all_per_layer, per_layer_arrays, stacked_abstract
+    from mxc.runtime.serving_images import image_slots_of
     from mxc.runtime.trainable import abstract_argument
 
     functions = program.functions
@@ -85,7 +89,8 @@ def servable_from_program(program) -> Servable:
                                                                                       shardings)
     return Servable(prefill=functions[PREFILL_FUNCTION], decode=functions[DECODE_FUNCTION],
                     abstract_params=abstract, batch=run["serve_batch"], prompt_len=run["prompt_len"],
-                    cache_len=run["cache_len"], vocab_size=program.manifest.spec["vocab"], prepare=prepare)
+                    cache_len=run["cache_len"], vocab_size=program.manifest.spec["vocab"], prepare=prepare,
+                    image_slots=image_slots_of(program.manifest, functions[PREFILL_FUNCTION].function))
 
 
 def prompt_lengths(servable: Servable, prompts: np.ndarray, max_new: int) -> np.ndarray:
@@ -130,7 +135,8 @@ def warm_up(servable: Servable, params) -> None:
     if servable.prefill in _WARMED:
         return
     tokens = np.zeros((servable.batch, servable.prompt_len), np.int32)
-    logits, cache = servable.prefill(params, tokens, np.ones(servable.batch, np.int32))
+    images = () if servable.image_slots is None else (servable.image_slots.empty(servable.batch),)
+    logits, cache = servable.prefill(params, tokens, np.ones(servable.batch, np.int32), *images)
     logits, cache = servable.decode(params, np.zeros(servable.batch, np.int32), cache)
     jax.block_until_ready((logits, cache))
     _WARMED.add(servable.prefill)
@@ -142,12 +148,19 @@ OnTokens = Callable[[np.ndarray, np.ndarray], bool]
 
 
 def generate(servable: Servable, params, prompts: np.ndarray, max_new: int, *,
-             sampling: Sampling = Sampling(), seed: int = 0,
-             on_tokens: OnTokens | None = None) -> tuple[np.ndarray, GenerationReport]:
+             sampling: Sampling = Sampling(), seed: int = 0, on_tokens: OnTokens | None = None,
+             images: dict | None = None) -> tuple[np.ndarray, GenerationReport]:
     """Prompts [requests, width] (rows ending in PAD where shorter) -> (the prompt array followed by
     max_new new tokens per row, [requests, width + max_new]; timings). A group stopped early by
-    `on_tokens` (a streaming caller at its end-of-sequence token) has PAD in the slots it did not fill."""
+    `on_tokens` (a streaming caller at its end-of-sequence token) has PAD in the slots it did not fill.
+    `images`: each request's image slots ([requests, ...], ImageSlots.place) for a servable whose
+    prefill takes them; without, its slots are empty."""
     lengths = prompt_lengths(servable, prompts, max_new)
+    if images is not None and servable.image_slots is None:
+        raise GenerationError("these executables take no images (a vision model's artifact of mxc compile --serve "
+                              "does)")
+    if servable.image_slots is not None and images is None:
+        images = servable.image_slots.empty(len(prompts))
     params = servable.prepare(params)  # once per call; a caller serving many may prepare them itself
     requests, width = prompts.shape
     prompt_len = servable.prompt_len
@@ -164,7 +177,8 @@ def generate(servable: Servable, params, prompts: np.ndarray, max_new: int, *,
         fill = servable.batch - (end - first)
         rows = np.concatenate([np.arange(first, end), np.full(fill, first)])  # request served by each row
         group_started = time.perf_counter()
-        logits, cache = servable.prefill(params, padded[rows, :prompt_len], prefilled[rows])
+        group_images = () if images is None else ({name: value[rows] for name, value in images.items()},)
+        logits, cache = servable.prefill(params, padded[rows, :prompt_len], prefilled[rows], *group_images)
         fed, length = prefilled[rows].copy(), lengths[rows]
         new = np.full((servable.batch, max_new), PAD, np.int32)
         made = np.zeros(servable.batch, np.int32)  # new tokens of each row so far

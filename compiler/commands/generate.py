@@ -49,7 +49,7 @@ def runtime_arguments(args: argparse.Namespace) -> list[str]:
     for flag, given in (("--greedy", args.greedy), ("--chat", args.chat)):
         if given:
             arguments.append(flag)
-    for flag, value in (("--prompt-tokens", args.prompt_tokens), ("--prompt", args.prompt),
+    for flag, value in (("--prompt-tokens", args.prompt_tokens), ("--prompt", args.prompt), ("--images", args.images),
                         ("--tokenizer", args.tokenizer), ("-o", args.output), ("--temperature", args.temperature),
                         ("--top-k", args.top_k), ("--top-p", args.top_p), ("--report", args.report)):
         if value is not None:
@@ -78,15 +78,50 @@ def spec_servable(spec, batch: int, prompt_len: int, cache_len: int, dtype: str,
                     vocab_size=spec.vocab, prepare=per_layer_arrays if per_layer else Servable.prepare)
 
 
+def _artifact_with_image_files(args: argparse.Namespace) -> int:
+    """`mxc generate ARTIFACT --image FILE ...`: the files preprocessed here (with the artifact's
+    own spec) into the inputs --images takes, which the runtime then places in the prefill's image
+    slots (run in a child process, so that the temporary file is removed after it)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    import numpy as np
+
+    from mxc.compiler.commands.run import RUNTIME_MODULE
+    from mxc.runtime.artifact_reader import read_manifest
+    from mxc.runtime.text_generation import TextError, generation_inputs
+    from mxc.spec.ir import ModelSpec
+
+    if args.images:
+        raise UserError("--images and --image are two ways to give the same inputs: give one")
+    if args.prompt is not None:
+        raise UserError("--image with an artifact takes --prompt-tokens, with the image placeholders laid out as "
+                        "the processor does (a text --prompt with --image runs with a model directory)")
+    arguments = runtime_arguments(args)
+    try:
+        prompts, _ = generation_inputs(args)
+    except TextError as err:
+        raise UserError(str(err)) from None
+    spec = ModelSpec.model_validate(read_manifest(args.model).spec)
+    inputs = read_images(None, spec, prompts, image_files(args.image, spec))
+    with tempfile.TemporaryDirectory(prefix="mxc-images-") as directory:
+        path = os.path.join(directory, "images.npz")
+        np.savez(path, **inputs)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return subprocess.run([sys.executable, "-m", RUNTIME_MODULE, "generate", *arguments, "--images", path]).returncode
+
+
 def handler(args: argparse.Namespace) -> int:
     import numpy as np
 
     from mxc.compiler.commands.run import hand_over, is_artifact
 
     if is_artifact(args.model):  # a compiled artifact: served by the runtime's precompiled prefill/decode
-        if args.images or args.image:
-            raise UserError("--images and --image run with a model (a spec or a model directory), not yet with "
-                            "an artifact")
+        if args.image:
+            return _artifact_with_image_files(args)
         return hand_over("generate", runtime_arguments(args))
     if args.trusted_key:
         raise UserError(f"--trusted-key checks an artifact's signature; {args.model} is no artifact")

@@ -15,9 +15,9 @@ image token instead, and its feed-forward output is dropped, so only the gated a
 joins its residual. Without images every cross_attention layer is skipped, as transformers skips
 them. Decoding reuses the last prompt row's mask for every new token (transformers'
 `_update_model_kwargs_for_generation`). serving_steps' prefill writes each cross layer's image
-keys and values into the cache (sized by the images, so outside the kinds' cache_entries), and
-decoding reads them there; a cache without them (decode.init_cache's) has them projected again at
-every step.
+keys and values into the cache (decode.init_cache's `image_tokens`: sized by the images, or by an
+artifact's image slots, so outside the kinds' cache_entries), and decoding reads them there; a
+cache without them has them projected again at every step.
 """
 
 from __future__ import annotations
@@ -153,38 +153,74 @@ def forward_with_inputs(spec: ModelSpec, params: dict, tokens: jax.Array, *, dty
     return forward(spec, params, tokens, images=images, dtype=dtype)[0]
 
 
-def serving_steps(spec: ModelSpec, batch: int, cache_len: int, inputs: dict, *, dtype=None):
+def serving_steps(spec: ModelSpec, batch: int, cache_len: int, inputs: dict | None, *, dtype=None):
     """decode.serving_steps for a model with cross_attention layers: prefill makes the images'
     CrossImages once, writes each cross layer's image keys and values into the cache and keeps the
     mask (`cross`: each row's last real mask row, which every decoded token reuses); decode reads
-    both from there."""
+    both from there. `inputs`: the processor's arrays (INPUTS), fixed; None: prefill takes each
+    row's images in fixed slots as a fourth argument (slot_cross_images; an artifact's prefill)."""
     from mxc.compiler.lower.attention_core import EMPTY_SLOT
     from mxc.compiler.lower.decode import init_cache, next_positions
 
-    def run_prefill(params, tokens, lengths):
-        images = cross_images(spec, params, *(inputs[name] for name in INPUTS), jnp.dtype(dtype or spec.compute_dtype))
-        cache = _with_image_slots(spec, init_cache(spec, batch, cache_len, dtype), images.states.shape[1], dtype)
-        logits, cache = forward(spec, params, tokens, images=images, cache=cache, dtype=dtype)
+    compute = jnp.dtype(dtype or spec.compute_dtype)
+
+    def run_prefill(params, tokens, lengths, slot_images=None):
+        if slot_images is None:
+            images = cross_images(spec, params, *(inputs[name] for name in INPUTS), compute)
+        else:
+            images = slot_cross_images(spec, params, slot_images, compute)
+        cache = init_cache(spec, batch, cache_len, dtype, image_tokens=images.states.shape[1])
+        logits, cache = forward(spec, params, tokens, images=images, cache=_text_cache(cache), dtype=dtype)
         last = (lengths.astype(jnp.int32) - 1)[:, None]
         real = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :] <= last
         positions = cache["positions"].at[:, :tokens.shape[1]].set(
             jnp.where(real, cache["positions"][:, :tokens.shape[1]], EMPTY_SLOT))
-        row = CrossImages(None, jnp.take_along_axis(images.visible, last[:, :, None], axis=1),
-                          jnp.take_along_axis(images.sees_image, last, axis=1))
+        row = {"visible": jnp.take_along_axis(images.visible, last[:, :, None], axis=1),
+               "sees_image": jnp.take_along_axis(images.sees_image, last, axis=1)}
         logits = jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0]
         return logits, {**cache, "positions": positions, "cross": row}
 
     def run_decode(params, tokens, cache):
-        text_cache = {key: value for key, value in cache.items() if key != "cross"}
-        logits, text_cache = forward(spec, params, tokens[:, None], images=cache["cross"], cache=text_cache,
+        text_cache = _text_cache(cache)
+        images = CrossImages(None, cache["cross"]["visible"], cache["cross"]["sees_image"])
+        logits, text_cache = forward(spec, params, tokens[:, None], images=images, cache=text_cache,
                                      positions=next_positions(text_cache)[:, None], dtype=dtype)
         return logits[:, -1], {**text_cache, "cross": cache["cross"]}
 
     return run_prefill, run_decode
 
 
-def _with_image_slots(spec: ModelSpec, cache: dict, image_tokens: int, dtype) -> dict:
-    """The cache with a "k" and "v" of image_tokens rows in every cross_attention layer's slice."""
+def _text_cache(cache: dict) -> dict:
+    return {key: value for key, value in cache.items() if key != "cross"}
+
+
+def slot_cross_images(spec: ModelSpec, params: dict, images: dict, dtype) -> CrossImages:
+    """CrossImages of a serving batch's image slots: pixel_values [batch, slots, tiles, channels,
+    tile, tile], image_mask [batch, slots] (True where a slot holds an input image),
+    aspect_ratio_ids [batch, slots], aspect_ratio_mask [batch, slots, tiles] and
+    cross_attention_mask [batch, seq, slots, tiles] as the processor makes them for the slots that
+    hold images. An empty slot is encoded as one tile (all padding is no input the tower takes),
+    zeroed, and seen by no token, not even by text that sees no image (which sees every image the
+    row holds)."""
+    pixels, mask = images["pixel_values"], images["image_mask"].astype(bool)
+    batch, slots, tiles = pixels.shape[:3]
+    first_tile = jnp.arange(tiles)[None, None, :] == 0
+    tile_mask = jnp.where(mask[..., None], images["aspect_ratio_mask"].astype(bool), first_tile)
+    states = image_states(spec, params, pixels, jnp.where(mask, images["aspect_ratio_ids"], 1),
+                          tile_mask.astype(jnp.int32), dtype)
+    per_slot = tiles * num_positions(spec.vision)
+    states = jnp.where(jnp.repeat(mask, per_slot, axis=1)[..., None], states, jnp.zeros((), states.dtype))
+    cross = images["cross_attention_mask"].astype(bool) & mask[:, None, :, None]
+    allowed = jnp.repeat(cross, num_positions(spec.vision), axis=3).reshape(batch, cross.shape[1], -1)
+    sees_image = allowed.any(axis=-1)
+    present = jnp.repeat(mask, per_slot, axis=1)[:, None, :]
+    return CrossImages(states, allowed | (~sees_image[..., None] & present), sees_image)
+
+
+def with_image_cache(spec: ModelSpec, cache: dict, image_tokens: int, dtype) -> dict:
+    """The cache with a "k" and "v" of image_tokens rows in every cross_attention layer's slice,
+    and the mask row each decoded token reuses ("cross": visible [batch, 1, image_tokens],
+    sees_image [batch, 1]), all empty until a prefill writes them."""
     dtype = jnp.dtype(dtype or spec.compute_dtype)
     batch = cache["positions"].shape[0]
     segments = []
@@ -196,4 +232,19 @@ def _with_image_slots(spec: ModelSpec, cache: dict, image_tokens: int, dtype) ->
                 shape = (segment.repeat, batch, image_tokens, att.kv_heads, att.head_dim)
                 layer_cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
             segments[-1].append(layer_cache)
-    return {**cache, "segments": segments}
+    cross = {"visible": jnp.zeros((batch, 1, image_tokens), bool), "sees_image": jnp.zeros((batch, 1), bool)}
+    return {**cache, "segments": segments, "cross": cross}
+
+
+IMAGE_CACHE_AXES = ("layers", "batch", None, "kv_heads", "head_dim")  # the image tokens stay whole
+
+
+def image_cache_axes(spec: ModelSpec, axes: dict) -> dict:
+    """decode.cache_axes' tree for with_image_cache's cache."""
+    segments = [[IMAGE_CACHE_AXES_ENTRIES if isinstance(spec.blocks[name].attention, CrossAttention) else entries
+                 for name, entries in zip(segment.period, slices)]
+                for segment, slices in zip(spec.layers, axes["segments"])]
+    return {**axes, "segments": segments, "cross": {"visible": ("batch", None, None), "sees_image": ("batch", None)}}
+
+
+IMAGE_CACHE_AXES_ENTRIES = {"k": IMAGE_CACHE_AXES, "v": IMAGE_CACHE_AXES}

@@ -40,24 +40,36 @@ def _layer_cache_entries(att, batch: int, length: int, spec=None) -> dict[str, t
     return kv_cache.with_scales(kind_of(att).cache_entries(att, batch, length), spec)
 
 
-def init_cache(spec: ModelSpec, batch: int, length: int, dtype=None) -> dict:
-    """An empty cache for `length` tokens (prompt plus everything to be generated)."""
+def init_cache(spec: ModelSpec, batch: int, length: int, dtype=None, image_tokens: int | None = None) -> dict:
+    """An empty cache for `length` tokens (prompt plus everything to be generated). `image_tokens`:
+    a model with cross_attention layers also keeps that many image keys and values per row in
+    each of them, and the mask row decoding reuses (cross_attention.with_image_cache)."""
     dtype = jnp.dtype(dtype or spec.compute_dtype)
     segments = [[{entry: jnp.zeros((seg.repeat, *shape), kv_cache.entry_dtype(entry, dtype, spec)) for entry, (shape, _) in
                   _layer_cache_entries(spec.blocks[name].attention, batch, length, spec).items()}
                  for name in seg.period] for seg in spec.layers]
-    return {"index": jnp.zeros((), jnp.int32),
-            "positions": jnp.full((batch, length), EMPTY_SLOT, jnp.int32),
-            "segments": segments, **longrope_decode.history_entry(spec, batch, length)}
+    cache = {"index": jnp.zeros((), jnp.int32),
+             "positions": jnp.full((batch, length), EMPTY_SLOT, jnp.int32),
+             "segments": segments, **longrope_decode.history_entry(spec, batch, length)}
+    if image_tokens is None:
+        return cache
+    from mxc.compiler.lower import cross_attention
+
+    return cross_attention.with_image_cache(spec, cache, image_tokens, dtype)
 
 
-def cache_axes(spec: ModelSpec) -> dict:
-    """Logical axes of every cache entry (same tree as init_cache)."""
-    return {"index": (), "positions": ("batch", "cache_seq"),
+def cache_axes(spec: ModelSpec, image_tokens: bool = False) -> dict:
+    """Logical axes of every cache entry (same tree as init_cache, `image_tokens` given or not)."""
+    axes = {"index": (), "positions": ("batch", "cache_seq"),
             "segments": [[{entry: ("layers", *axes) for entry, (_, axes) in
                            _layer_cache_entries(spec.blocks[name].attention, 1, 1, spec).items()}
                           for name in seg.period] for seg in spec.layers],
             **({"history": ("batch", "cache_seq")} if longrope_decode.threshold(spec) is not None else {})}
+    if not image_tokens:
+        return axes
+    from mxc.compiler.lower import cross_attention
+
+    return cross_attention.image_cache_axes(spec, axes)
 
 
 def _batch_axes(spec: ModelSpec, cache: dict) -> dict:
@@ -83,7 +95,8 @@ def prefill(spec: ModelSpec, params: dict, tokens: jax.Array, cache: dict, *, le
     `lengths` [batch] lets rows be shorter than seq: they are right-padded, and causal attention
     keeps the padding out of the real tokens. The padding's cache slots are then marked empty, so
     no later token attends to them and a row's next position is its own length.
-    `images`: {"pixel_values", "token_type_ids"} for a model with a vision tower (model.decoder_hidden)."""
+    `images`: {"pixel_values", "token_type_ids"} for a model with a vision tower, or image slots
+    {"pixel_values" [batch, slots, ...], "image_mask"} (model.decoder_hidden)."""
     start, before = cache["index"], cache
     hidden, cache, _ = decoder_hidden(spec, params, tokens, cache=cache, dtype=dtype, attention_impl=attention_impl,
                                       **(images or {}))
@@ -129,24 +142,38 @@ def decode_step(spec: ModelSpec, params: dict, tokens: jax.Array, cache: dict, *
 
 
 def serving_steps(spec: ModelSpec, batch: int, cache_len: int, *, dtype=None,
-                  attention_impl: str = "xla", images: dict | None = None) -> tuple[Callable, Callable]:
+                  attention_impl: str = "xla", images: dict | None = None,
+                  image_slots: bool = False) -> tuple[Callable, Callable]:
     """The two functions a generation driver runs, over a cache of cache_len slots for batch rows:
     prefill(params, tokens [batch, prompt_len], lengths [batch]) -> (logits, cache) on a fresh
     cache, and decode(params, tokens [batch], cache) -> (logits, cache). An artifact's serving
-    build compiles them; `mxc generate MODEL` jits them. `images` (fixed arrays) go into every prefill."""
-    if images and "cross_attention_mask" in images:  # Llama 3.2 Vision: the images' layers need them at every step
+    build compiles them; `mxc generate MODEL` jits them. `images` (fixed arrays) go into every prefill.
+    With `image_slots` (a vision model's artifact) prefill takes a fourth argument instead, each
+    row's images in fixed slots (aot.serving_image_inputs: pixel_values [batch, slots, ...] and
+    image_mask [batch, slots], and Llama 3.2 Vision's aspect ratios and cross-attention mask);
+    decode is unchanged."""
+    if (images and "cross_attention_mask" in images) or (image_slots and cross_attention_model(spec)):
+        # Llama 3.2 Vision: the images' layers need them at every step
         from mxc.compiler.lower import cross_attention
 
-        return cross_attention.serving_steps(spec, batch, cache_len, images, dtype=dtype)
+        return cross_attention.serving_steps(spec, batch, cache_len, None if image_slots else images, dtype=dtype)
 
-    def run_prefill(params, tokens, lengths):
+    def run_prefill(params, tokens, lengths, slot_images=None):
         cache = init_cache(spec, batch, cache_len, dtype)
         if is_per_layer(params["segments"][0]):  # the cache follows the weights' layout (layer_layout.py)
             cache = per_layer(cache)
+        given = images if slot_images is None else {name: slot_images[name] for name in ("pixel_values", "image_mask")}
         return prefill(spec, params, tokens, cache, lengths=lengths,
-                       dtype=dtype, attention_impl=attention_impl, images=images)
+                       dtype=dtype, attention_impl=attention_impl, images=given)
 
     def run_decode(params, tokens, cache):
         return decode_step(spec, params, tokens, cache, dtype=dtype, attention_impl=attention_impl)
 
     return run_prefill, run_decode
+
+
+def cross_attention_model(spec: ModelSpec) -> bool:
+    """Whether images reach the text model through cross_attention layers (Llama 3.2 Vision)."""
+    from mxc.spec.ir import CrossAttention
+
+    return any(isinstance(block.attention, CrossAttention) for block in spec.blocks.values())

@@ -1,0 +1,157 @@
+"""Images through a compiled serving artifact: `mxc generate ARTIFACT --images` against `mxc
+generate MODELDIR --images` (itself checked against transformers in test_gemma3_vision.py and
+test_mllama_parity.py), on the tiny models of those tests, compiled for this host with image
+slots to spare (an empty slot must change nothing)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from artifact_builds import run_mxc  # noqa: E402
+from test_mllama_parity import tiny  # noqa: E402,F401  (the tiny mllama and its parameters, a fixture)
+
+NEW = 8
+
+
+def _import(model, root):
+    from mxc.compiler.hf.convert import import_hf
+
+    model.save_pretrained(root / "hf")
+    import_hf(root / "hf", root / "mxc")
+    return root / "mxc"
+
+
+def _compile(base, model_dir, batch: int, prompt_len: int, slots: int):
+    artifact = base / "artifact"
+    done = run_mxc(base, "compile", str(model_dir / "model.mspec"), "-t", "local", "--serve", "--serve-batch",
+                   str(batch), "--prompt-len", str(prompt_len), "--cache-len", str(prompt_len + NEW - 1),
+                   "--images-per-row", str(slots), "--functions", "prefill,decode", "-o", str(artifact))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return artifact
+
+
+def _generate(base, model, inputs, *extra: str):
+    """`mxc generate MODEL --prompt-tokens base/t.npy --images INPUTS` -> (tokens or None, the process)."""
+    out = base / "g.npy"
+    out.unlink(missing_ok=True)
+    done = run_mxc(base, "generate", str(model), "--prompt-tokens", str(base / "t.npy"), "--images", str(inputs),
+                   "--max-new", str(NEW), "-o", str(out), *extra)
+    return (np.load(out) if done.returncode == 0 else None), done
+
+
+def _refused(done, message: str) -> None:
+    assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
+def test_gemma3_artifact_generates_what_the_model_generates_with_images(tmp_path):
+    from test_gemma3_vision import IMAGE, _prompt, _tiny_hf_model
+
+    model_dir = _import(_tiny_hf_model(), tmp_path)
+    # Two requests in one group: two images, and one image in a row padded to the same width.
+    two, _, pixels_two = _prompt(2)
+    one, _, pixels_one = _prompt(1)
+    tokens = np.full((2, two.shape[1]), -1, np.int64)
+    tokens[0], tokens[1, :one.shape[1]] = two[0], one[0]
+    np.save(tmp_path / "t.npy", tokens)
+    types = (tokens == IMAGE).astype(np.int64)
+    np.savez(tmp_path / "in.npz", pixel_values=np.concatenate([pixels_two, pixels_one]), token_type_ids=types)
+    expected, done = _generate(tmp_path, model_dir, tmp_path / "in.npz")
+    assert expected is not None, done.stderr[-3000:]
+
+    artifact = _compile(tmp_path, model_dir, 2, tokens.shape[1], 2)  # row 1 leaves a slot empty
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["run"]["serve_images"] == {"entry": "placeholder", "token": IMAGE, "tokens_per_image": 4,
+                                               "slots": 2}
+    shapes = {leaf["path"][1]: leaf["shape"] for leaf in manifest["functions"]["prefill"]["inputs"]
+              if leaf["path"][0] == 3}
+    assert shapes == {"pixel_values": [2, 2, 3, 28, 28], "image_mask": [2, 2]}
+    params = ["--params", str(model_dir / "params")]
+    ours, done = _generate(tmp_path, artifact, tmp_path / "in.npz", *params)
+    assert ours is not None, done.stderr[-3000:]
+    assert ours.tolist() == expected.tolist()
+
+    # The images matter: other pixels give other tokens.
+    np.savez(tmp_path / "other.npz", pixel_values=np.concatenate([pixels_one, pixels_two]) * 3, token_type_ids=types)
+    other, done = _generate(tmp_path, artifact, tmp_path / "other.npz", *params)
+    assert other is not None and other[:, -NEW:].tolist() != ours[:, -NEW:].tolist()
+
+    np.savez(tmp_path / "cut.npz", pixel_values=pixels_two[:, :, :27])
+    _refused(_generate(tmp_path, artifact, tmp_path / "cut.npz", *params)[1],
+             "pixel_values must be [images, 3, 28, 28], got float32[2, 3, 27, 28]")
+    np.savez(tmp_path / "few.npz", pixel_values=pixels_two)
+    _refused(_generate(tmp_path, artifact, tmp_path / "few.npz", *params)[1],
+             "2 image(s) of 4 tokens need 8 placeholder tokens (299); the prompts have 12")
+    three, _, pixels_three = _prompt(3)
+    np.save(tmp_path / "t.npy", three)
+    np.savez(tmp_path / "three.npz", pixel_values=pixels_three)
+    _refused(_generate(tmp_path, artifact, tmp_path / "three.npz", *params)[1],
+             "prompt row 0 holds 3 images; the artifact has 2 image slot(s) per row")
+
+
+def test_mllama_artifact_generates_what_the_model_generates_with_images(tmp_path):
+    from test_mllama_parity import _inputs
+    from test_mllama_vision import _hf_model
+
+    model_dir = _import(_hf_model(seed=1), tmp_path)
+    tokens, pixels, ids, tile_mask, cross = _inputs(2)
+    np.save(tmp_path / "t.npy", tokens)
+    np.savez(tmp_path / "in.npz", pixel_values=pixels, aspect_ratio_ids=ids, aspect_ratio_mask=tile_mask,
+             cross_attention_mask=cross)
+    expected, done = _generate(tmp_path, model_dir, tmp_path / "in.npz")
+    assert expected is not None, done.stderr[-3000:]
+
+    artifact = _compile(tmp_path, model_dir, 1, tokens.shape[1], 3)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["run"]["serve_images"] == {"entry": "cross_attention", "token": 127, "tokens_per_image": 1,
+                                               "slots": 3}
+    params = ["--params", str(model_dir / "params")]
+    ours, done = _generate(tmp_path, artifact, tmp_path / "in.npz", *params)
+    assert ours is not None, done.stderr[-3000:]
+    assert ours.tolist() == expected.tolist()
+
+    np.savez(tmp_path / "bad.npz", pixel_values=pixels, aspect_ratio_ids=ids, aspect_ratio_mask=tile_mask,
+             cross_attention_mask=cross[:, :-1])
+    _refused(_generate(tmp_path, artifact, tmp_path / "bad.npz", *params)[1],
+             "cross_attention_mask must be [1, 20, 2, 4], got [1, 19, 2, 4]")
+
+
+def test_mllama_slots_prefill_and_decode_as_the_model_does(tiny):
+    """In process, to the logits: the slot prefill (two images in three slots, the third empty) and
+    three decode steps against serving_steps with the processor's arrays. Text before the first
+    image sees every image the row holds, and no empty slot."""
+    import jax
+    import jax.numpy as jnp
+
+    from test_mllama_parity import _inputs
+
+    from mxc.compiler.aot import image_slots, serving_image_inputs
+    from mxc.compiler.lower.decode import serving_steps
+    from mxc.runtime.serving_images import ImageSlots
+
+    _, spec, params = tiny
+    tokens, pixels, ids, tile_mask, cross = _inputs(2)
+    width = tokens.shape[1]
+    inputs = dict(pixel_values=pixels, aspect_ratio_ids=ids, aspect_ratio_mask=tile_mask, cross_attention_mask=cross)
+    abstract = serving_image_inputs(spec, 1, width, image_slots(spec, 3))
+    slots = ImageSlots("cross_attention", 127, 1, {name: (tuple(a.shape[1:]), a.dtype.name)
+                                                   for name, a in abstract.items()})
+    placed = slots.place(inputs, tokens, width)
+    lengths = np.array([width], np.int32)
+    runs = [serving_steps(spec, 1, width + 3, dtype="float32", images={k: jnp.asarray(v) for k, v in inputs.items()}),
+            serving_steps(spec, 1, width + 3, dtype="float32", image_slots=True)]
+    logits = []
+    for (prefill, decode), extra in zip(runs, [(), (placed,)]):
+        out, cache = jax.jit(prefill)(params, tokens.astype(np.int32), lengths, *extra)
+        steps = [np.asarray(out)]
+        for token in (5, 9, 11):
+            out, cache = jax.jit(decode)(params, np.array([token], np.int32), cache)
+            steps.append(np.asarray(out))
+        logits.append(np.stack(steps))
+    np.testing.assert_allclose(logits[1], logits[0], atol=1e-5, rtol=0)
