@@ -197,3 +197,32 @@ def test_mxc_run_trains_the_tiny_mllama_on_a_tokenized_file(mllama, tmp_path):
     done = subprocess.run(run_command(tmp_path / "artifact", tmp_path / "pairs.bin", tmp_path / "ckpt", steps=2),
                           env=cpu_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_llama4_tiles_and_the_global_tile_are_one_sidecar_entry_each(tmp_path):
+    """A 50x70 image on 56-pixel tiles of Llama 4's tower: 1x2 tiles and a global tile, each its own
+    placeholder run; the written ids are the whole expanded text's tokenization."""
+    from mxc.runtime.tokenize import load_tokenizer
+    from mxc.runtime.tokenize_images import ImageRecords
+    from mxc.spec.load import load_model
+
+    tower = load_model("llama4-17b-16e").vision.model_copy(update={"image": 56})  # 4 tokens a tile
+    entry = tower.entry
+    special = {"<|end_of_text|>": 0, "<|image_start|>": entry.begin, "<|image_end|>": entry.end,
+               "<|patch|>": entry.token, "<|tile_x_separator|>": 5, "<|tile_y_separator|>": 6, "<|image|>": 7}
+    _word_tokenizer(tmp_path / "tokenizer.json", 40, special)
+    tokenizer = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    png = _png(tmp_path, 50, 70, "RGB")
+    image = ip.pixel_values(tower, png)
+    assert (image.tile_rows, image.tile_cols, len(image.pixels)) == (1, 2, 3)
+    records = ImageRecords(tower, tokenizer)
+    parts = records.parts("x.jsonl:1", "w10 <|image|> w11", [png])
+    out = tmp_path / "pairs.bin"
+    write_image_tokens(out, [parts], vocab_size=max(special.values()) + 1, eod_id=0, placeholder=entry.token,
+                       tokens_per_image=4)
+    tokens = open_tokens(out)
+    expanded = ip.expand_image_markers("w10 <|image|> w11", tower, [image], records.token_text)
+    assert np.asarray(tokens.tokens).tolist() == tokenizer.encode(expanded) + [0]
+    images = open_images(tokens)
+    np.testing.assert_array_equal(np.asarray(images.pixels), image.pixels)
+    assert len(images) == 3 and np.asarray(tokens.tokens)[images.offsets - 1].tolist() == [entry.begin, 5, 7]
