@@ -25,6 +25,10 @@ class LoweringChoices:
     # float32 for the loss (MaxText's default, logits_dot_in_fp32: False), which halves the
     # [tokens, vocab] logits XLA keeps for the backward pass. Set by --maxtext.
     float32_logits_dot: bool = True
+    # The output head and cross entropy of a training step run over this many pieces of the
+    # sequence, each piece's logits recomputed in the backward pass (loss.chunked_loss_sums), so
+    # one piece's float32 logits exist at a time: 1/chunks of them, for a second head matmul.
+    loss_chunks: int = 1
     # CPU-only choices, which the plan's chip decides (Plan.lowering_choices); docs/runtime.md
     # has the measurements. Weight products' backward passes as canonical row-major matrix
     # products (weight_gradients.py): XLA:CPU otherwise copies the large gradient transposed.

@@ -60,6 +60,39 @@ def loss_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = No
     )
 
 
+def chunked_loss_sums(logits_of, hidden: jax.Array, targets: jax.Array, mask: jax.Array | None, chunks: int, *,
+                      z_loss_weight: float = 0.0) -> LossSums:
+    """loss_sums(logits_of(hidden), targets, mask) over `chunks` pieces of the sequence, one at a
+    time: hidden [batch, seq, embed] -> logits_of -> [batch, seq, vocab]. Each piece's logits are
+    rematerialised in the backward pass, so no more than one piece's float32 logits is alive
+    (LoweringChoices.loss_chunks). Piece j holds tokens j, j + chunks, j + 2·chunks, ...: a strided
+    piece keeps a sequence split over devices (context parallelism) split the same way, where a
+    contiguous piece would sit on few devices. The sums are over tokens, so any split gives the
+    same loss; the numerics per token are loss_sums's."""
+    batch, seq = targets.shape
+    if seq % chunks:
+        raise ValueError(f"the loss's {chunks} chunks do not divide the sequence of {seq} tokens")
+    weights = jnp.ones(targets.shape, jnp.float32) if mask is None else mask
+
+    def pieces(x):  # [batch, seq, ...] -> [chunks, batch, seq / chunks, ...]
+        return jnp.moveaxis(x.reshape(batch, seq // chunks, chunks, *x.shape[2:]), 2, 0)
+
+    @jax.checkpoint  # keeps the piece's hidden state, recomputes its logits
+    def piece_sums(piece):
+        h, t, m = piece
+        sums = loss_sums(logits_of(h), t, m, z_loss_weight=z_loss_weight)
+        return sums.cross_entropy, sums.z_loss, sums.correct, sums.tokens
+
+    def add(total, piece):
+        return tuple(a + b for a, b in zip(total, piece_sums(piece))), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (cross_entropy, z_loss, correct, tokens), _ = jax.lax.scan(
+        add, (zero, zero, zero, zero), (pieces(hidden), pieces(targets), pieces(weights)))
+    return LossSums(cross_entropy=cross_entropy, z_loss=z_loss, correct=correct, tokens=tokens,
+                    mtp=zero, aux_loss=zero)
+
+
 def _statistics(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Per token: (logsumexp, the target's logit)."""
     log_normalizer = jax.nn.logsumexp(logits, axis=-1)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from mxc.compiler.lower import attention, ffn
 from mxc.compiler.lower.block import RESIDUAL_AXES, block_layer_with_stats
 from mxc.compiler.lower.choices import lowering_choices
+from mxc.compiler.lower.loss import LossSums, chunked_loss_sums, loss_sums
 from mxc.runtime.layer_layout import is_per_layer
 from mxc.compiler.lower.moe import MoEConfig
 from mxc.compiler.lower.norms import apply_norm
@@ -48,6 +49,18 @@ def embed(spec: ModelSpec, params: dict, tokens: jax.Array, dtype) -> jax.Array:
 def logits_from_hidden(spec: ModelSpec, params: dict, x: jax.Array) -> jax.Array:
     """Final norm, output head (tied or not) and soft-cap; float32 logits [batch, seq, vocab]."""
     return output_head(spec, params, apply_norm(spec.final_norm, params["final_norm"], x))
+
+
+def head_loss_sums(spec: ModelSpec, params: dict, hidden: jax.Array, targets: jax.Array, mask: jax.Array | None,
+                   *, z_loss_weight: float = 0.0) -> LossSums:
+    """The training loss's sums from the last layer's output: final norm, head, cross entropy;
+    over pieces of the sequence where the plan asks (LoweringChoices.loss_chunks), so the float32
+    logits never exist whole."""
+    chunks = lowering_choices().loss_chunks
+    if chunks > 1:
+        return chunked_loss_sums(lambda h: logits_from_hidden(spec, params, h), hidden, targets, mask, chunks,
+                                 z_loss_weight=z_loss_weight)
+    return loss_sums(logits_from_hidden(spec, params, hidden), targets, mask, z_loss_weight=z_loss_weight)
 
 
 @quantized_as_spec

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from mxc.compiler.lower import remat as remat_lib
-from mxc.compiler.lower.loss import LossSums, loss_metrics, loss_sums
+from mxc.compiler.lower.loss import LossSums, loss_metrics
 from mxc.compiler.lower.moe import MoEConfig
 from mxc.compiler.lower.optimizer import (OptimizerConfig, learning_rate_schedule, make_optimizer,
                                           weight_decay_mask)
@@ -143,7 +143,7 @@ def model_loss_sums(spec: ModelSpec, *, remat: str = "none", attention_impl: str
     where the spec has one, and its modules' MoE statistics as one more segment's. `pipeline` (a
     pipeline.PipelineLayout) runs the largest segment through the circular pipeline."""
     # The layer library, imported late to keep this module light.
-    from mxc.compiler.lower.model import decoder_hidden, logits_from_hidden
+    from mxc.compiler.lower.model import decoder_hidden, head_loss_sums
     from mxc.compiler.lower.moe import add_moe_terms
     from mxc.compiler.lower.mtp import mtp_loss
 
@@ -157,8 +157,7 @@ def model_loss_sums(spec: ModelSpec, *, remat: str = "none", attention_impl: str
                                               image_mask=batch.get("image_mask"),
                                               aspect_ratio_ids=batch.get("aspect_ratio_ids"),
                                               attention_impl=attention_impl, moe=moe, pipeline=pipeline)
-        sums = loss_sums(logits_from_hidden(spec, params, hidden), batch["targets"], batch["mask"],
-                         z_loss_weight=z_loss_weight)
+        sums = head_loss_sums(spec, params, hidden, batch["targets"], batch["mask"], z_loss_weight=z_loss_weight)
         if with_mtp and spec.mtp is not None:
             mtp_sum, mtp_stats = mtp_loss(spec, params, hidden, batch, remat_policy=remat_lib.policy(remat),
                                           attention_impl=attention_impl, moe=moe)
