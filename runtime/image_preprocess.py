@@ -201,6 +201,13 @@ def pixel_values(tower: VisionTower, path) -> ImagePixels:
     return image_pixels(tower, read_rgb(path))
 
 
+def padded_tiles(image: ImagePixels, max_tiles: int) -> np.ndarray:
+    """A tiled tower's image as MllamaProcessor packs it: [max_tiles, 3, side, side], zeros past its tiles."""
+    pixels = np.zeros((max_tiles, *image.pixels.shape[1:]), np.float32)
+    pixels[:len(image.pixels)] = image.pixels
+    return pixels
+
+
 def placeholder_count(tower: VisionTower, image: ImagePixels) -> int:
     """Placeholder tokens the image's soft tokens fill: every tile's, the global tile's included."""
     from mxc.compiler.kinds.vision import tokens_per_image

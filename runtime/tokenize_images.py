@@ -116,17 +116,14 @@ class ImageRecords:
 
     def _sidecar_images(self, images: list) -> list:
         from mxc.runtime.image_file import TiledImage
+        from mxc.runtime.image_preprocess import padded_tiles
         from mxc.runtime.image_tiles import aspect_ratio_id
 
         if not self.tiled:  # every tile (Llama 4's global tile included) fills its own placeholder run
             return [tile for image in images for tile in image.pixels]
         most = self.tower.tiles.max
-        tiled = []
-        for image in images:
-            pixels = np.zeros((most, *image.pixels.shape[1:]), np.float32)
-            pixels[:len(image.pixels)] = image.pixels
-            tiled.append(TiledImage(pixels, aspect_ratio_id(image.tile_rows, image.tile_cols, most)))
-        return tiled
+        return [TiledImage(padded_tiles(image, most), aspect_ratio_id(image.tile_rows, image.tile_cols, most))
+                for image in images]
 
 
 def _runs(flags: np.ndarray) -> list[tuple[int, int]]:

@@ -118,6 +118,7 @@ def _tiled_image_inputs(images: list, tower, tokens) -> dict:
     takes the next file; images and tiles padded with zeros; the cross-attention mask from the tokens."""
     import numpy as np
 
+    from mxc.runtime.image_preprocess import padded_tiles
     from mxc.runtime.image_tiles import aspect_ratio_id, aspect_ratio_mask, cross_attention_mask
 
     per_row = (tokens == tower.entry.token).sum(axis=1).tolist()
@@ -133,7 +134,7 @@ def _tiled_image_inputs(images: list, tower, tokens) -> dict:
     ids = np.zeros(pixels.shape[:2], np.int32)
     for b, row in enumerate(rows):
         for i, image in enumerate(row):
-            pixels[b, i, :len(image.pixels)] = image.pixels
+            pixels[b, i] = padded_tiles(image, max_tiles)
             ids[b, i] = aspect_ratio_id(image.tile_rows, image.tile_cols, max_tiles)
     tiles = [[len(image.pixels) for image in row] for row in rows]
     return {"pixel_values": pixels, "aspect_ratio_ids": ids, "aspect_ratio_mask": aspect_ratio_mask(tiles, max_tiles),
