@@ -99,6 +99,33 @@ def test_cross_attention_mask_is_the_processors():
             build_string_from_input(prompt, "<B>", "<|image|>")
 
 
+def test_image_files_fill_each_rows_image_tokens_in_order(tmp_path):
+    """Two prompt rows holding one and two image tokens take the three files in order, batched as
+    MllamaProcessor batches nested images (padding images and tiles, their masks)."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+    from transformers.models.mllama.processing_mllama import (convert_sparse_cross_attention_mask_to_dense,
+                                                              get_cross_attention_token_mask)
+
+    from mxc.compiler.commands.images import read_images
+
+    I = IMAGE_TOKEN  # noqa: E741
+    tokens = np.array([[5, I, 6, 7, 8], [I, I, 3, 4, 5]])
+    files = [_png(tmp_path, 50, 70, "RGB"), _png(tmp_path, 90, 41, "RGB"), _png(tmp_path, 13, 20, "RGB")]
+    spec = SimpleNamespace(name="tiny", vision=_tower(16).model_copy(update={"entry": _tower(16).entry.model_copy(
+        update={"token": I})}))
+    ours = read_images(None, spec, tokens, [ip.pixel_values(spec.vision, f) for f in files])
+    images = [[Image.open(files[0])], [Image.open(f) for f in files[1:]]]
+    reference = _processor(16)(images=images, return_tensors="np")
+    np.testing.assert_array_equal(ours["pixel_values"], reference["pixel_values"])
+    np.testing.assert_array_equal(ours["aspect_ratio_ids"], reference["aspect_ratio_ids"])
+    np.testing.assert_array_equal(ours["aspect_ratio_mask"], reference["aspect_ratio_mask"])
+    sparse = [get_cross_attention_token_mask(row, I) for row in tokens.tolist()]
+    np.testing.assert_array_equal(ours["cross_attention_mask"], convert_sparse_cross_attention_mask_to_dense(
+        sparse, reference["num_tiles"], 4, tokens.shape[1]))
+
+
 # ---------------------------------------------------------------- the CLI on the tiny mllama
 
 
