@@ -353,8 +353,10 @@ def generate_command(args) -> int:
     from mxc.runtime.trainable import artifact_identity
     program = _load(args)
     servable = servable_from_program(program)
-    # A checkpoint of another spec is refused before its arrays are read.
-    params = restore_params(args.params, servable.abstract_params, identity=artifact_identity(program.manifest))
+    # A checkpoint of another spec is refused before its arrays are read. Converted to the layout
+    # the executables take here, so the stacked arrays are not held while serving.
+    params = servable.prepare(restore_params(args.params, servable.abstract_params,
+                                             identity=artifact_identity(program.manifest)))
     if text is not None:
         text.silent = jax.process_index() != 0
     tokens, report = generate(servable, params, prompts, args.max_new, sampling=sampling, seed=args.seed,

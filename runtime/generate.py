@@ -71,7 +71,7 @@ class GenerationReport:
 
 
 def servable_from_program(program) -> Servable:
-    from mxc.runtime.layer_layout import all_per_layer, per_layer_arrays, stacked_abstract
+    from mxc.runtime.layer_layout import all_per_layer, stacked_abstract
     from mxc.runtime.serving_images import image_slots_of
     from mxc.runtime.trainable import abstract_argument
 
@@ -81,15 +81,12 @@ def servable_from_program(program) -> Servable:
         raise GenerationError(f"{program.directory} has no {' or '.join(missing)} function: compile it with --serve")
     run = program.manifest.run
     abstract = abstract_argument(functions[PREFILL_FUNCTION], 0)
-    prepare = Servable.prepare  # as they are
     if all_per_layer(abstract):  # compiled for one array per layer; checkpoints stay stacked
-        shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract)
-        # Placed with the executable's own shardings, so that no call places them again.
-        abstract, prepare = stacked_abstract(abstract), lambda params: jax.device_put(per_layer_arrays(params),
-                                                                                      shardings)
+        abstract = stacked_abstract(abstract)
     return Servable(prefill=functions[PREFILL_FUNCTION], decode=functions[DECODE_FUNCTION],
                     abstract_params=abstract, batch=run["serve_batch"], prompt_len=run["prompt_len"],
-                    cache_len=run["cache_len"], vocab_size=program.manifest.spec["vocab"], prepare=prepare,
+                    cache_len=run["cache_len"], vocab_size=program.manifest.spec["vocab"],
+                    prepare=functions[PREFILL_FUNCTION].params_as_taken,
                     image_slots=image_slots_of(program.manifest, functions[PREFILL_FUNCTION].function))
 
 
@@ -123,23 +120,28 @@ def _host(tokens: jax.Array) -> np.ndarray:
                       else tokens.addressable_data(0))
 
 
-# The prefill functions that have run once in this process.
-_WARMED: weakref.WeakSet = weakref.WeakSet()
+# The logits of each prefill's warm-up and of the decode step after it, by prefill function.
+_WARMED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def warm_up(servable: Servable, params) -> None:
+def warm_up(servable: Servable, params, sampling: Sampling = Sampling(), seed: int = 0) -> None:
     """Run the prefill and one decode step once on a dummy prompt, as a server warms up before
     it takes requests: an executable's first run in a process pays for setting up XLA:CPU's
     threads and buffers (a 128-token prefill of a 20M model: 45-70 ms of CPU against 20-25 ms
-    warm, docs/runtime.md), which would otherwise land in the first request's time to first token."""
-    if servable.prefill in _WARMED:
-        return
-    tokens = np.zeros((servable.batch, servable.prompt_len), np.int32)
-    images = () if servable.image_slots is None else (servable.image_slots.empty(servable.batch),)
-    logits, cache = servable.prefill(params, tokens, np.ones(servable.batch, np.int32), *images)
-    logits, cache = servable.decode(params, np.zeros(servable.batch, np.int32), cache)
-    jax.block_until_ready((logits, cache))
-    _WARMED.add(servable.prefill)
+    warm, docs/runtime.md), which would otherwise land in the first request's time to first token.
+    The sampler is compiled on those steps' own logits: jit compiles for its arguments' shardings,
+    and a program's logits carry the program's (warmed on a fresh array instead, the first request
+    compiled it again: 33 ms of CPU at llama-20m, under load)."""
+    logits = _WARMED.get(servable.prefill)
+    if logits is None:
+        tokens = np.zeros((servable.batch, servable.prompt_len), np.int32)
+        images = () if servable.image_slots is None else (servable.image_slots.empty(servable.batch),)
+        first, cache = servable.prefill(params, tokens, np.ones(servable.batch, np.int32), *images)
+        after, cache = servable.decode(params, np.zeros(servable.batch, np.int32), cache)
+        jax.block_until_ready((first, after, cache))
+        logits = _WARMED[servable.prefill] = (first, after)
+    for step_logits in logits:
+        warm(step_logits, sampling, seed)
 
 
 # on_tokens(requests, tokens) -> stop: called with the requests that got a new token at this step
@@ -167,8 +169,7 @@ def generate(servable: Servable, params, prompts: np.ndarray, max_new: int, *,
     prefilled = np.minimum(lengths, prompt_len).astype(np.int32)
     padded = np.zeros((requests, max(width, prompt_len)), np.int32)
     padded[:, :width] = np.where(prompts == PAD, 0, prompts)
-    warm(servable.batch, servable.vocab_size, sampling, seed)
-    warm_up(servable, params)
+    warm_up(servable, params, sampling, seed)
     started = time.perf_counter()
     outputs, first_token_times, decode_seconds, decoded = [], [], 0.0, 0
     groups = -(-requests // servable.batch)

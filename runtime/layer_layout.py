@@ -12,8 +12,8 @@ layers apart instead,
     params["segments"][s] = [[tree of block p, leaves [...], for p in period] for each layer]
 
 and model.run_segment runs them one after another: the products read the weights where they
-lie. The runtime converts a restored checkpoint once, when a program first runs on it
-(`per_layer`); the checkpoint on disk keeps its stacked layout, so one checkpoint serves both.
+lie. The runtime converts a restored checkpoint once, when serving starts (`per_layer_arrays`,
+the one conversion); the checkpoint on disk keeps its stacked layout, so one checkpoint serves both.
 """
 
 from __future__ import annotations
@@ -94,7 +94,13 @@ def all_per_layer(params: dict) -> bool:
 _per_layer_jitted = jax.jit(per_layer)
 
 
-def per_layer_arrays(params: dict) -> dict:
+def per_layer_arrays(params: dict, shardings=None) -> dict:
     """A restored checkpoint's stacked arrays -> new arrays one per layer, by one compiled program
-    (one copy of the weights, made once); parameters already per layer come back as they are."""
-    return params if all_per_layer(params) else _per_layer_jitted(params)
+    (one copy of the weights), placed with `shardings` (a tree of the per-layer layout, an
+    executable's own) where given; parameters already per layer come back as they are. This is
+    the one conversion: an artifact's functions (program.BoundFunction.params_as_taken) and
+    `mxc generate MODEL` both call it, and nothing here keeps the stacked or the split copy."""
+    if all_per_layer(params):
+        return params
+    split = _per_layer_jitted(params)
+    return split if shardings is None else jax.device_put(split, shardings)

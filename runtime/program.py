@@ -84,36 +84,30 @@ class BoundFunction:
             raise TypeError(f"{self.name} takes {len(self.function.arguments)} arguments "
                             f"({', '.join(self.function.arguments)}), got {len(args)}")
         names = self.function.arguments
-        if self._per_layer_params is not None:
-            args = self._with_per_layer_params(args)
+        if self._per_layer_params is not None:  # a checkpoint's stacked params, split for this call alone
+            index = self._per_layer_params
+            args = args[:index] + (self.params_as_taken(args[index]),) + args[index + 1:]
         flat = [_place(lookup(args, leaf.path, root=self.name), leaf, sharding, names)
                 for leaf, sharding in zip(self.function.inputs, self.in_shardings)]
         results = self._run_flat(flat)
         tree = build_tree([leaf.path for leaf in self.function.outputs], results)
         return tuple(tree) if isinstance(tree, list) else tree
 
-
-    def _with_per_layer_params(self, args: tuple) -> tuple:
-        """args with a checkpoint's stacked params split one array per layer, as a CPU serving
-        program takes them (layer_layout.py); converted once for the params object last seen."""
+    def params_as_taken(self, params):
+        """A checkpoint's params laid out as this function takes them: where it was compiled for
+        one array per layer (CPU serving, runtime/layer_layout.py), stacked params are split by one
+        compiled program and placed with the executable's shardings, so no call places them again.
+        Anything else comes back as it is. A caller running many steps converts once, here (the
+        generation driver does: Servable.prepare); passed stacked to the call, they are split anew
+        at every call, and no copy is kept."""
         from mxc.runtime.layer_layout import all_per_layer, per_layer_arrays
 
         index = self._per_layer_params
-        params = args[index]
-        if not isinstance(params, dict) or "segments" not in params or all_per_layer(params):
-            return args
-        global _LAST_SPLIT
-        if _LAST_SPLIT is None or _LAST_SPLIT[0] is not params:
-            leaves = [(leaf.path[1:], sharding) for leaf, sharding in zip(self.function.inputs, self.in_shardings)
-                      if leaf.path[0] == index]
-            shardings = build_tree([path for path, _ in leaves], [sharding for _, sharding in leaves])
-            _LAST_SPLIT = (params, jax.device_put(per_layer_arrays(params), shardings))
-        return args[:index] + (_LAST_SPLIT[1],) + args[index + 1:]
-
-
-# The stacked params a serving function was last called with, and their per-layer copy (shared by
-# prefill and decode, so that a caller passing a checkpoint's params converts them once).
-_LAST_SPLIT: tuple | None = None
+        if index is None or not isinstance(params, dict) or "segments" not in params or all_per_layer(params):
+            return params
+        leaves = [(leaf.path[1:], sharding) for leaf, sharding in zip(self.function.inputs, self.in_shardings)
+                  if leaf.path[0] == index]
+        return per_layer_arrays(params, build_tree([path for path, _ in leaves], [sharding for _, sharding in leaves]))
 
 
 def _per_layer_params_argument(function: Function) -> int | None:

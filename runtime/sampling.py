@@ -14,6 +14,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,11 @@ def next_tokens(logits: jax.Array, seed: jax.Array, requests: jax.Array, index: 
     return jax.vmap(jax.random.categorical)(keys, restricted).astype(jnp.int32)
 
 
-def warm(batch: int, vocab: int, sampling: Sampling, seed: int = 0) -> None:
-    """Compile the sampler for [batch, vocab] logits now, at load, so that the first request's
-    time to first token does not pay for it (tens of milliseconds on a CPU)."""
-    logits = jnp.zeros((batch, vocab), jnp.float32)
-    rows = jnp.arange(batch, dtype=jnp.int32)
-    jax.block_until_ready(next_tokens(logits, seed, rows, jnp.zeros(batch, jnp.int32), sampling=sampling))
+def warm(logits: jax.Array, sampling: Sampling, seed: int = 0) -> None:
+    """Compile the sampler now, at load, for logits like these (a program's own output: jit
+    compiles for the arguments' shapes and shardings) and the host arrays the generation driver
+    passes, so that the first request's time to first token does not pay for it (tens of
+    milliseconds on a CPU)."""
+    batch = logits.shape[0]
+    rows = np.arange(batch)  # the driver's request of each row, int64 as numpy makes them
+    jax.block_until_ready(next_tokens(logits, seed, rows, np.zeros(batch, np.int32), sampling=sampling))
