@@ -15,57 +15,22 @@ handed back after 200 ms instead of 10 s (a lower peak for little CPU time).
 
 from __future__ import annotations
 
-import ctypes.util
-import os
-import sys
-from pathlib import Path
-
-ENV_CHOICE = "MXC_ALLOCATOR"  # "jemalloc" (the default) or "system"
-ENV_DONE = "MXC_ALLOCATOR_EXECUTED"  # set on the re-executed process, so it happens at most once
+# The mechanism (find jemalloc, restart once with it preloaded) is the runtime's, which trains on
+# it too; compiling differs only in its MALLOC_CONF.
+from mxc.runtime.allocator import (ENV_CHOICE, ENV_DONE, arenas, current, find_jemalloc,  # noqa: F401
+                                   jemalloc_loaded, restart_on_jemalloc)
+from mxc.runtime.allocator import reexec_environment as _reexec_environment
 
 
 def malloc_conf(cpus: int | None = None) -> str:
-    cpus = cpus or os.cpu_count() or 1
-    return f"narenas:{-(-cpus // 8)},dirty_decay_ms:200"
-
-
-def find_jemalloc() -> str | None:
-    """The jemalloc soname the dynamic linker can find, or None."""
-    return ctypes.util.find_library("jemalloc")
-
-
-def jemalloc_loaded() -> bool:
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return "jemalloc" in os.environ.get("LD_PRELOAD", "")
-    return "libjemalloc" in maps
-
-
-def current() -> str:
-    """The allocator this process runs on: "jemalloc" or "system"."""
-    return "jemalloc" if jemalloc_loaded() else "system"
+    return f"{arenas(cpus)},dirty_decay_ms:200"
 
 
 def reexec_environment(environ: dict, library: str) -> dict:
-    """The environment of the re-executed process: jemalloc first in LD_PRELOAD."""
-    env = dict(environ)
-    env["LD_PRELOAD"] = " ".join(p for p in (library, environ.get("LD_PRELOAD", "")) if p)
-    env.setdefault("MALLOC_CONF", malloc_conf())
-    env[ENV_DONE] = "1"
-    return env
+    """The environment of the re-executed compiling process: jemalloc first in LD_PRELOAD."""
+    return _reexec_environment(environ, library, malloc_conf())
 
 
 def compile_on_jemalloc() -> None:
     """Replace this process by the same command on jemalloc when that applies; otherwise return."""
-    if os.environ.get(ENV_CHOICE, "jemalloc") != "jemalloc" or os.environ.get(ENV_DONE):
-        return
-    if not sys.platform.startswith("linux") or jemalloc_loaded():
-        return
-    library = find_jemalloc()
-    if library is None:
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # orig_argv keeps how Python was started (`mxc ...` as a script, or `python -m ...`).
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], reexec_environment(os.environ, library))
+    restart_on_jemalloc(malloc_conf())

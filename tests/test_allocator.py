@@ -6,6 +6,7 @@ from pathlib import Path
 
 from artifact_builds import MXC, clean_env
 from mxc.compiler import allocator
+from mxc.runtime import allocator as runtime_allocator
 
 
 def compile_tiny(tmp_path: Path, topology="cpu-8", function="init", **env: str) -> dict:
@@ -46,6 +47,6 @@ def test_in_process_callers_are_never_reexecuted(capsys, monkeypatch):
     # main(argv) is how tests and embedding programs call the CLI: it must not replace the process.
     from mxc.compiler import cli
 
-    monkeypatch.setattr(allocator.os, "execve", lambda *a: (_ for _ in ()).throw(AssertionError("exec")))
+    monkeypatch.setattr(runtime_allocator.os, "execve", lambda *a: (_ for _ in ()).throw(AssertionError("exec")))
     assert cli.main(["compile", "no-such-model", "--topology", "cpu-8"]) == 1
     assert "no-such-model" in capsys.readouterr().err
