@@ -6,6 +6,7 @@ slots to spare (an empty slot must change nothing)."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -85,9 +86,6 @@ def test_gemma3_artifact_generates_what_the_model_generates_with_images(tmp_path
     np.savez(tmp_path / "cut.npz", pixel_values=pixels_two[:, :, :27])
     _refused(_generate(tmp_path, artifact, tmp_path / "cut.npz", *params)[1],
              "pixel_values must be [images, 3, 28, 28], got float32[2, 3, 27, 28]")
-    np.savez(tmp_path / "few.npz", pixel_values=pixels_two)
-    _refused(_generate(tmp_path, artifact, tmp_path / "few.npz", *params)[1],
-             "2 image(s) of 4 tokens need 8 placeholder tokens (299); the prompts have 12")
     # --image files: preprocessed with the artifact's spec and placed as --images would be.
     from test_image_preprocess import _png
 
@@ -103,11 +101,25 @@ def test_gemma3_artifact_generates_what_the_model_generates_with_images(tmp_path
 
     assert with_files(artifact, *params).tolist() == with_files(model_dir).tolist()
 
+    # The rest of the refusals, as the runtime checks them against the manifest (in process).
+    from mxc.runtime.artifact_reader import read_manifest
+    from mxc.runtime.serving_images import ImageSlotError, image_slots_of
+
+    manifest = read_manifest(artifact)
+    slots = image_slots_of(manifest, manifest.functions["prefill"])
+    width = tokens.shape[1]
     three, _, pixels_three = _prompt(3)
-    np.save(tmp_path / "t.npy", three)
-    np.savez(tmp_path / "three.npz", pixel_values=pixels_three)
-    _refused(_generate(tmp_path, artifact, tmp_path / "three.npz", *params)[1],
-             "prompt row 0 holds 3 images; the artifact has 2 image slot(s) per row")
+    refusals = [({"pixel_values": pixels_two}, tokens,
+                 "2 image(s) of 4 tokens need 8 placeholder tokens (299); the prompts have 12"),
+                ({"pixel_values": pixels_three}, three,
+                 "prompt row 0 holds 3 images; the artifact has 2 image slot(s) per row"),
+                ({"pixel_values": pixels_two}, np.concatenate([two, [[9, 9, 9]]], axis=1),
+                 f"prompt row 0 holds images and {width + 3} tokens; the artifact's prefill takes {width}"),
+                ({"pixel_values": np.concatenate([pixels_two, pixels_one]), "token_type_ids": 1 - types}, tokens,
+                 "token_type_ids must mark exactly the placeholder tokens")]
+    for arrays, prompts, message in refusals:
+        with pytest.raises(ImageSlotError, match=re.escape(message)):
+            slots.place(arrays, prompts, width)
 
 
 def test_mllama_artifact_generates_what_the_model_generates_with_images(tmp_path):
