@@ -38,7 +38,8 @@ def register(subparsers) -> None:
                         help="a parameter group the train step leaves as it is (e.g. vision): no gradient, "
                              "no optimizer state; repeatable")
     parser.add_argument("--images-per-row", type=int, metavar="N",
-                        help="image slots per batch row for a model with a vision tower (default 1)")
+                        help="image slots per batch row for a model with a vision tower (default 1): the "
+                             "train and eval steps' and, with --serve, the prefill's")
     parser.add_argument("--serve", action="store_true", help="also compile prefill and decode")
     parser.add_argument("--serve-batch", type=int, metavar="B",
                         help="sequences decoded together (default: one per device of the batch axes)")
