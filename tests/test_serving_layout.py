@@ -64,3 +64,34 @@ def test_cpu_plans_serve_quantized_weights_stacked():
     assert cpu.serves_per_layer(None) and cpu.serves_per_layer("fp32") and cpu.serves_per_layer("int8-kv")
     assert not any(cpu.serves_per_layer(name) for name in ("int8", "w8a8", "int4", "bf16", "fp8", "int8+int8-kv"))
     assert not tpu.serves_per_layer(None)
+
+
+def test_the_cpu_prefill_attends_to_the_prompt_alone():
+    """A CPU serving prefill runs the prompt in a cache of its own length, then writes it into the
+    full cache (LoweringChoices.prefill_own_keys): the logits and cache of attending to every
+    slot of the full cache (to float32 rounding: the softmax sums fewer, empty, slots; the
+    positions exactly), with fewer FLOPs."""
+    import dataclasses
+
+    from mxc.compiler.lower.choices import LoweringChoices, use_lowering
+
+    spec = load_model(MODEL)
+    params = per_layer_arrays(init_params(spec, jax.random.key(2)))
+    prompts = np.random.default_rng(1).integers(0, spec.vocab, (2, PROMPT)).astype(np.int32)
+    lengths = np.array([PROMPT, 3], np.int32)  # a shorter row: its padding's slots end up empty
+    cpu = LoweringChoices.for_platform("cpu")
+    results, flops = [], []
+    for choices in (cpu, dataclasses.replace(cpu, prefill_own_keys=False)):
+        with use_lowering(choices):
+            prefill, _ = serving_steps(spec, 2, CACHE, dtype="float32")
+            compiled = jax.jit(prefill).lower(params, prompts, lengths).compile()
+        results.append(jax.tree.map(np.asarray, compiled(params, prompts, lengths)))
+        flops.append(compiled.cost_analysis()["flops"])
+    own, every_slot = results
+    assert jax.tree.structure(own) == jax.tree.structure(every_slot)
+    for got, want in zip(jax.tree.leaves(own), jax.tree.leaves(every_slot)):
+        if got.dtype.kind == "f":
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(got, want)
+    assert flops[0] < flops[1], flops

@@ -47,6 +47,10 @@ class LoweringChoices:
     # Serving programs take one array per layer and run the layers one after another, without
     # copying each layer's weights out of a stack at every decode step (layer_layout.py).
     per_layer_serving: bool = False
+    # A serving prefill attends to the prompt's own keys in a cache of the prompt's length, then
+    # writes that cache into the empty full-length one; otherwise it attends to every slot of the
+    # full cache, whose slots after the prompt are all empty (docs/runtime.md, "Time to first token").
+    prefill_own_keys: bool = False
 
     @classmethod
     def for_platform(cls, platform: str) -> "LoweringChoices":
@@ -57,7 +61,7 @@ class LoweringChoices:
         return cls(stacked_projections=tpu, interpret_kernels=not tpu,
                    canonical_weight_gradients=cpu, fused_cross_entropy=cpu, blocked_weight_conversion=cpu,
                    grouped_matmul="megablox" if tpu else "ragged_dot", ragged_all_to_all=tpu,
-                   per_layer_serving=cpu)
+                   per_layer_serving=cpu, prefill_own_keys=cpu)
 
     def serves_per_layer(self, quantize: str | None) -> bool:
         """Whether serving programs for a spec quantized as `quantize` take one array per layer:

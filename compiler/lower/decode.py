@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from mxc.compiler.kinds import kind_of
 from mxc.compiler.lower.attention_core import EMPTY_SLOT
+from mxc.compiler.lower.choices import lowering_choices
 from mxc.compiler.lower import longrope_decode
 from mxc.runtime.layer_layout import is_per_layer, per_layer
 from mxc.compiler.lower.model import decoder_hidden, forward, logits_from_hidden
@@ -158,18 +159,30 @@ def serving_steps(spec: ModelSpec, batch: int, cache_len: int, *, dtype=None,
 
         return cross_attention.serving_steps(spec, batch, cache_len, None if image_slots else images, dtype=dtype)
 
+    def fresh_cache(params, length):
+        cache = init_cache(spec, batch, length, dtype)
+        # The cache follows the weights' layout (layer_layout.py).
+        return per_layer(cache) if is_per_layer(params["segments"][0]) else cache
+
     def run_prefill(params, tokens, lengths, slot_images=None):
-        cache = init_cache(spec, batch, cache_len, dtype)
-        if is_per_layer(params["segments"][0]):  # the cache follows the weights' layout (layer_layout.py)
-            cache = per_layer(cache)
+        own_keys = lowering_choices().prefill_own_keys and tokens.shape[1] < cache_len
+        cache = fresh_cache(params, tokens.shape[1] if own_keys else cache_len)
         given = images if slot_images is None else {name: slot_images[name] for name in ("pixel_values", "image_mask")}
-        return prefill(spec, params, tokens, cache, lengths=lengths,
-                       dtype=dtype, attention_impl=attention_impl, images=given)
+        logits, cache = prefill(spec, params, tokens, cache, lengths=lengths,
+                                dtype=dtype, attention_impl=attention_impl, images=given)
+        return logits, (_grown(cache, fresh_cache(params, cache_len)) if own_keys else cache)
 
     def run_decode(params, tokens, cache):
         return decode_step(spec, params, tokens, cache, dtype=dtype, attention_impl=attention_impl)
 
     return run_prefill, run_decode
+
+
+def _grown(cache: dict, empty: dict) -> dict:
+    """A prompt's cache written at the start of an empty cache of more slots (the same tree, each
+    entry longer along its cache_seq axis): the slots after the prompt stay as init_cache made them."""
+    return jax.tree.map(lambda full, written: written if full.shape == written.shape
+                        else jax.lax.dynamic_update_slice(full, written, (0,) * full.ndim), empty, cache)
 
 
 def cross_attention_model(spec: ModelSpec) -> bool:
