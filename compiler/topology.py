@@ -287,6 +287,9 @@ def request_host_devices(count: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    from mxc.compiler.xla_options import request_cpu_threads
+
+    request_cpu_threads(count)
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from artifact_builds import child_report
-from mxc.compiler.xla_options import compiler_options
+from mxc.compiler.xla_options import CPU_THREADS_PER_DEVICE, compiler_options, request_cpu_threads
 from mxc.spec.load import load_model
 
 
@@ -20,6 +20,19 @@ def test_moe_models_keep_xla_defaults():
     # Their token dispatch may be a gather large enough for the SparseCore offload to pay.
     assert compiler_options(load_model("mixtral-8x7b"), "tpu") == {}
     assert compiler_options(load_model("deepseek3-671b"), "tpu") == {}
+
+
+def test_virtual_cpu_devices_get_a_thread_pool_for_their_collectives():
+    # cpu-8 with fsdp aborts in XLA's rendezvous with the default pool (tests/test_multimodal_train.py)
+    environ = {}
+    request_cpu_threads(8, environ)
+    assert int(environ["NPROC"]) >= CPU_THREADS_PER_DEVICE * 8 > 8
+    environ = {"NPROC": "3"}  # the user's choice stays
+    request_cpu_threads(8, environ)
+    assert environ == {"NPROC": "3"}
+    environ = {}  # one device runs no collectives
+    request_cpu_threads(1, environ)
+    assert environ == {}
 
 
 def _tpu_child() -> dict:
