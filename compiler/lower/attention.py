@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 from mxc.compiler.lower.attention_core import attend
 from mxc.compiler.lower.norms import apply_norm
 from mxc.compiler.lower.projection import project
-from mxc.compiler.lower.remat import CONTEXT  # its word is also a mesh axis's name: one spelling
+from mxc.compiler.lower.remat import CONTEXT, named_residual  # its word is also a mesh axis's name: one spelling
 from mxc.compiler.quant import kv_cache
 from mxc.compiler.lower.rope import apply_rope, rope_angles
 from mxc.compiler.lower.sharding import RESIDUAL_AXES, constrain
@@ -85,5 +85,5 @@ def attention_layer(att, params: dict, x: jax.Array, positions: jax.Array, *, ca
                      image_blocks=None if image_blocks is None else (image_blocks, kv_blocks), impl=impl)
     context = checkpoint_name(context, CONTEXT)
     out = _project(context, params["o"], dtype, "bshd,hde->bse")
-    out = checkpoint_name(constrain(out, RESIDUAL_AXES), "out_proj")
+    out = named_residual(constrain(out, RESIDUAL_AXES), "out_proj")
     return out, new_cache

@@ -8,11 +8,11 @@ returns them, `block_layer` drops them.
 from __future__ import annotations
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 
 from mxc.compiler.kinds import kind_of
 from mxc.compiler.lower.moe import MoEConfig, MoEStats
 from mxc.compiler.lower.norms import apply_norm
+from mxc.compiler.lower.remat import named_residual
 from mxc.compiler.lower.sharding import RESIDUAL_AXES, constrain
 from mxc.spec.ir import Block, CrossAttention
 
@@ -42,7 +42,7 @@ def block_layer_with_stats(block: Block, params: dict, x: jax.Array, positions: 
         x, cache = cross_block_layer(block, params, x, cross_images, cache)
         return x, cache, None
     # Named so a remat policy can offload the layer's input (MaxText's main memory lever).
-    x = checkpoint_name(x, "decoder_layer_input")
+    x = named_residual(x, "decoder_layer_input")
     h = _shared_input(apply_norm(block.norm, params["attention_norm"], x))
     h, new_cache = kind_of(block.attention).apply(block.attention, params["attention"], h, positions, cache=cache,
                                                   cache_index=cache_index, cache_positions=cache_positions,

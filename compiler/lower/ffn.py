@@ -14,6 +14,7 @@ from mxc.compiler.kinds import kind_of
 from mxc.compiler.kinds.dense_ffn import DenseFFN
 from mxc.compiler.lower.param_def import UnsupportedError
 from mxc.compiler.lower.projection import project
+from mxc.compiler.lower.remat import named_residual
 from mxc.compiler.lower.sharding import RESIDUAL_AXES, constrain
 from mxc.compiler.lower.stacking import project_pair, stacked_projections
 
@@ -73,4 +74,4 @@ def ffn_layer(ffn, params: dict, x: jax.Array) -> jax.Array:
             gate = checkpoint_name(_linear(x, params["gate"], dtype, hidden_axes), "mlpwi")
     hidden = hidden_activation(ffn, gate, up)
     out = _linear(hidden, params["down"], dtype, RESIDUAL_AXES)
-    return checkpoint_name(out, "mlpwo")
+    return named_residual(out, "mlpwo")

@@ -38,7 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 from mxc.compiler.lower.attention_core import attend
 from mxc.compiler.lower.norms import apply_norm
 from mxc.compiler.lower.projection import project, weight
-from mxc.compiler.lower.remat import CONTEXT
+from mxc.compiler.lower.remat import CONTEXT, named_residual
 from mxc.compiler.lower.rope import apply_rope, rope_angles, softmax_scale_correction
 from mxc.compiler.lower.sharding import RESIDUAL_AXES, constrain
 from mxc.spec.ir import MLA
@@ -130,5 +130,5 @@ def mla_layer(att: MLA, params: dict, x: jax.Array, positions: jax.Array, *, cac
     form = _absorbed if absorb else _expanded
     context = checkpoint_name(form(att, params, q_nope, q_rope, latent, k_rope, dtype, **core), CONTEXT)
     out = _project(context, params["o"], dtype, "bshd,hde->bse")
-    out = checkpoint_name(constrain(out, RESIDUAL_AXES), "out_proj")
+    out = named_residual(constrain(out, RESIDUAL_AXES), "out_proj")
     return out, new_cache

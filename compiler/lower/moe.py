@@ -47,6 +47,7 @@ from mxc.compiler.lower.expert_rows import expert_ffn, sort_assignments
 from mxc.compiler.lower.ffn import ffn_layer, hidden_activation
 from mxc.compiler.lower.params import moe_defs, shared_expert_ffn
 from mxc.compiler.lower.projection import project as project_kernel, weight as kernel_weight
+from mxc.compiler.lower.remat import named_residual
 from mxc.compiler.lower.sharding import RESIDUAL_AXES, active_rules, constrain, partition_spec, use_rules
 from mxc.spec.ir import MoE, ModelSpec, Router
 
@@ -296,7 +297,7 @@ def moe_layer(moe: MoE, params: dict, x: jax.Array, config: MoEConfig = MoEConfi
                                  check_vma=False)(routed_params, x)
     if moe.shared_experts:
         y = y + ffn_layer(shared_expert_ffn(moe), params["shared"], x)
-    return checkpoint_name(constrain(y, RESIDUAL_AXES), "mlpwo"), stats
+    return named_residual(constrain(y, RESIDUAL_AXES), "mlpwo"), stats
 
 
 def _shard_index(names: tuple[str, ...], mesh) -> jax.Array:

@@ -14,11 +14,14 @@ with the policy `policy(name)` returns.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from dataclasses import dataclass
 from typing import Callable
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 # The checkpoint names the layer code (block.py, attention.py, mla.py, ffn.py, moe.py) puts on
 # its intermediates, as MaxText names them.
@@ -37,6 +40,8 @@ CHECKPOINT_NAMES = (DECODER_LAYER_INPUT, QUERY_PROJ, KEY_PROJ, VALUE_PROJ, CONTE
 WEIGHT_PRODUCT = "weight_product"
 
 _QKV = (QUERY_PROJ, KEY_PROJ, VALUE_PROJ)
+# The names on values shaped like the residual stream, [batch, seq, d_model].
+RESIDUAL_NAMES = (DECODER_LAYER_INPUT, OUT_PROJ, MLPWO)
 CUSTOM = "custom"
 CUSTOM_SETTINGS = ("device", "offload", "remat")
 
@@ -159,3 +164,32 @@ def policy(name: str, *, host: bool = True) -> Callable | None:
     if not kept.device and not kept.host:
         return jax.checkpoint_policies.nothing_saveable
     return jax.checkpoint_policies.save_only_these_names(*kept.device, *kept.host)
+
+
+# The residual-shaped names the policy being traced offloads (set by `offloading`).
+_OFFLOADED: contextvars.ContextVar[frozenset] = contextvars.ContextVar("offloaded_residuals", default=frozenset())
+
+
+@contextlib.contextmanager
+def offloading(name: str):
+    """Trace a model under the policy `name`: the residual-shaped values it offloads are named
+    through `named_residual` in the layout the backward pass reads."""
+    token = _OFFLOADED.set(frozenset(saved(name).host) & frozenset(RESIDUAL_NAMES))
+    try:
+        yield
+    finally:
+        _OFFLOADED.reset(token)
+
+
+def named_residual(x: jax.Array, name: str) -> jax.Array:
+    """`checkpoint_name(x, name)` for a value shaped like the residual stream. Where the policy
+    offloads it, x is first pinned to the row-major layout: left free, XLA's TPU backend writes
+    the scanned stack of such values to host with the sequence minor ({2,3,1,0}) and the backward
+    pass reads it row-major, so between the passes it copies each whole stack back to HBM, lays
+    it out again and copies it out (Llama 3.1 8B on v6e-256: two 8 GiB stacks in HBM at once;
+    docs/plans.md, "Memory levers"). The values are the same."""
+    if name in _OFFLOADED.get() and x.ndim == 3:
+        from jax.experimental.layout import Layout, with_layout_constraint
+
+        x = with_layout_constraint(x, Layout(major_to_minor=(0, 1, 2)))
+    return checkpoint_name(x, name)

@@ -150,7 +150,7 @@ def model_loss_sums(spec: ModelSpec, *, remat: str = "none", attention_impl: str
     if attention_impl.startswith("splash"):
         from mxc.compiler.lower import splash  # noqa: F401  (registers the kernel with attention_core)
 
-    def sums_fn(params, batch: Batch) -> LossSums:
+    def traced_sums(params, batch: Batch) -> LossSums:
         hidden, _, moe_stats = decoder_hidden(spec, params, batch["inputs"], remat_policy=remat_lib.policy(remat),
                                               positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
                                               pixel_values=batch.get("pixel_values"),
@@ -164,6 +164,10 @@ def model_loss_sums(spec: ModelSpec, *, remat: str = "none", attention_impl: str
             sums = sums._replace(mtp=mtp_sum)
             moe_stats = [*moe_stats, mtp_stats]
         return add_moe_terms(sums, moe_stats, moe)
+
+    def sums_fn(params, batch: Batch) -> LossSums:
+        with remat_lib.offloading(remat):  # offloaded residual-shaped values in the backward's layout
+            return traced_sums(params, batch)
 
     return sums_fn
 
