@@ -123,26 +123,9 @@ def predict(choice: Choice) -> Memory:
         kept, offloaded = layer_bytes(name, choice, choice.remat)
         device += count * kept
         host += count * offloaded
-    layer_working = max(LAYER_WORKING_SET * layer_working_bytes(name, choice)
-                  + (ATTENTION_SCORE_BUFFERS - LAYER_WORKING_SET) * attention_score_bytes(name, choice)
-                  + (DISPATCH_WORKING_SET - LAYER_WORKING_SET) * dispatch_bytes(name, choice)
-                  for name in kinds)
-    # A vision tower's encoder runs first and keeps its layers' activations until its backward,
-    # the last; one of its layers' backward is another candidate for the largest working set.
-    vision_kept, vision_working = vision_bytes(choice)
-    device += vision_kept
-    layer_working = max(layer_working, vision_working)
-    gathered = gathered_layer_bytes(choice)
-    loss_peak = LOGITS_BUFFERS * logits_bytes(choice) + GATHERED_AT_LOSS * gathered
-    layer_peak = layer_working + GATHERED_LAYERS * gathered
-    if spec.embedding.tied:
-        layer_peak += TIED_HEAD_LOGITS * logits_bytes(choice)
-    # Copies to and from the host are in flight while layers run, not at the loss, where the
-    # forward's have landed and the backward's have not started (Llama 3.1 70B on v6e-256 with
-    # each layer's input and q/k/v offloaded, 112 GiB to host, one microbatch: XLA's device
-    # temporaries 26.9 GiB, below the loss peak alone).
-    temporaries = max(loss_peak, layer_peak + OFFLOAD_STAGING * host)
-    irreducible = max(LOGITS_IRREDUCIBLE * logits_bytes(choice) + GATHERED_AT_LOSS * gathered, layer_peak)
+    # A vision tower's encoder runs first and keeps its layers' activations until its backward.
+    device += vision_bytes(choice)[0]
+    temporaries, irreducible = temporaries_asked(choice, host)
     gradients = parameters * (2 if choice.microbatches > 1 else 1)
     if choice.mesh.get("stage", 1) == 1:  # stages.adjust_memory has its own temporaries
         beside = parameters * (1 + ADAM_MOMENTS) + gradients + device
@@ -155,6 +138,31 @@ def predict(choice: Choice) -> Memory:
         temporaries=int(temporaries),
         host=host,
     ))
+
+
+def temporaries_asked(choice: Choice, host: float) -> tuple[float, float]:
+    """(the temporaries XLA asks for with `host` bytes offloaded, their irreducible part: what it
+    squeezes them to near the HBM limit, at least)."""
+    spec = choice.spec
+    kinds = layer_counts(spec)
+    layer_working = max(LAYER_WORKING_SET * layer_working_bytes(name, choice)
+                  + (ATTENTION_SCORE_BUFFERS - LAYER_WORKING_SET) * attention_score_bytes(name, choice)
+                  + (DISPATCH_WORKING_SET - LAYER_WORKING_SET) * dispatch_bytes(name, choice)
+                  for name in kinds)
+    # One of a vision tower's layers' backward is another candidate for the largest working set.
+    layer_working = max(layer_working, vision_bytes(choice)[1])
+    gathered = gathered_layer_bytes(choice)
+    loss_peak = LOGITS_BUFFERS * logits_bytes(choice) + GATHERED_AT_LOSS * gathered
+    layer_peak = layer_working + GATHERED_LAYERS * gathered
+    if spec.embedding.tied:
+        layer_peak += TIED_HEAD_LOGITS * logits_bytes(choice)
+    # Copies to and from the host are in flight while layers run, not at the loss, where the
+    # forward's have landed and the backward's have not started (Llama 3.1 70B on v6e-256 with
+    # each layer's input and q/k/v offloaded, 112 GiB to host, one microbatch: XLA's device
+    # temporaries 26.9 GiB, below the loss peak alone).
+    temporaries = max(loss_peak, layer_peak + OFFLOAD_STAGING * host)
+    irreducible = max(LOGITS_IRREDUCIBLE * logits_bytes(choice) + GATHERED_AT_LOSS * gathered, layer_peak)
+    return temporaries, irreducible
 
 
 def squeezed(temporaries: float, irreducible: float, hbm: float, beside: float) -> float:

@@ -140,22 +140,46 @@ def _merge_pins(spec: ModelSpec, command_line: dict[str, int]) -> dict[str, int]
 
 
 def _to_compile(fitting: list[Scored], verdicts: dict, attempts: int) -> Iterator[Scored]:
-    """Candidates to compile, best first, up to `attempts`: once XLA finds one out of memory,
-    candidates of its kind (with or without a memory lever) predicted to need at least as much are
-    passed over, and once it refuses one with a lever, the plans without one go first: the memory
-    model under-predicts levers (Llama 3.1 405B on 2 x v6e-256: 29 GiB predicted, XLA's temporaries
-    alone 34.6), so a refusal says little about plans without."""
+    """Candidates to compile, in the search's order, up to `attempts`, passing over those a refusal
+    already condemns. Where the memory model squeezes a candidate's temporaries (memory.squeezed),
+    its prediction rests on their irreducible part fitting the room beside the state; XLA's refusal
+    of such a candidate says that part is under-predicted there, so the squeezed candidates whose
+    irreducible part takes at least the same share of their room are passed over, and the others
+    keep their order (Llama 3.1 405B on 2 x v6e-256: fsdp 256 x tensor 2 refused, its irreducible
+    part 11.1 GiB of 19.4, 0.57; MaxText's fsdp 128 x tensor 4, 6.9 of 19.4, fits). Once XLA
+    refuses a candidate that was not squeezed, the unsqueezed ones predicted to need at least as
+    much are passed over."""
     pending, tried = list(fitting), 0
     while pending and tried < attempts:
-        refused = [item for item in fitting if item.choice in verdicts and verdicts[item.choice].out_of_memory]
-        if any(uses_memory_lever(item) for item in refused):
-            pending.sort(key=uses_memory_lever)  # stable: each kind keeps its order
         item = pending.pop(0)
-        if any(uses_memory_lever(r) == uses_memory_lever(item) and r.memory.total <= item.memory.total
-               for r in refused):
+        refused = [r for r in fitting if r.choice in verdicts and verdicts[r.choice].out_of_memory]
+        if _condemned(item, refused):
             continue
         tried += 1
         yield item
+
+
+def _squeezed_share(item: Scored) -> float | None:
+    """The share of the room beside the state that a squeezed candidate's irreducible temporaries
+    take; None where its temporaries are not squeezed."""
+    if item.choice.mesh.get("stage", 1) > 1:  # stages.adjust_memory counts its own temporaries
+        return None
+    asked, irreducible = memory.temporaries_asked(item.choice, item.memory.host)
+    if item.memory.temporaries >= int(asked):
+        return None
+    room = item.choice.topology.usable_hbm_bytes - (item.memory.total - item.memory.temporaries)
+    return irreducible / room if room > 0 else math.inf
+
+
+def _condemned(item: Scored, refused: list[Scored]) -> bool:
+    share = _squeezed_share(item)
+    for r in refused:
+        refused_share = _squeezed_share(r)
+        if share is not None and refused_share is not None and share >= refused_share * (1 - 1e-9):
+            return True
+        if share is None and refused_share is None and r.memory.total <= item.memory.total:
+            return True
+    return False
 
 
 def _verify(spec: ModelSpec, candidate: Scored, topology: Topology) -> Verification:

@@ -1,0 +1,56 @@
+"""The order the verified search compiles its candidates in, after XLA refuses one for memory."""
+
+from __future__ import annotations
+
+from mxc.compiler.lower import remat
+from mxc.compiler.plan.candidates import choices, score
+from mxc.compiler.plan.layout import parameters
+from mxc.compiler.plan.plan import OUT_OF_HBM, Verification
+from mxc.compiler.plan.rules import sequence_parallel
+from mxc.compiler.plan.search import _to_compile
+from mxc.compiler.topology import parse
+from mxc.spec.load import load_model
+
+OFFLOAD = "offload"
+QKV = dict(query_proj=OFFLOAD, key_proj=OFFLOAD, value_proj=OFFLOAD)
+QKVO = remat.custom(decoder_layer_input=OFFLOAD, **QKV, out_proj=OFFLOAD)
+
+
+def _scored(spec, topology, mesh: dict, policy: str, split_stream: bool = True):
+    found = [score(c) for c in choices(spec, parameters(spec), topology, 8192, 512, mesh, policy, 1)
+             if sequence_parallel(c.rules) == split_stream and getattr(c, "loss_chunks", 1) == 1]  # whole loss
+    assert len(found) == 1
+    return found[0]
+
+
+def test_a_refused_squeezed_plan_passes_over_the_plans_it_condemns_and_keeps_the_order():
+    """Llama 3.1 405B on 2 x v6e-256: XLA refuses the formula's first choice (fsdp 256 x tensor 2,
+    q/k/v/out and the layer input offloaded; 38.48 GiB of temporaries) and fits MaxText's own
+    setting (fsdp 128 x tensor 4, the same policy: 30.14 GiB). Both are predicted squeezed; after
+    the refusal the search goes on in its order to MaxText's setting, not to the plans without a
+    lever, and passes over the same mesh with fewer names offloaded (the same irreducible part)."""
+    spec, topology = load_model("llama3.1-405b"), parse("v6e-256", 2)
+    refused = _scored(spec, topology, {"fsdp": 256, "tensor": 2}, QKVO)
+    same_mesh = _scored(spec, topology, {"fsdp": 256, "tensor": 2}, remat.custom(decoder_layer_input=OFFLOAD, **QKV))
+    maxtext = _scored(spec, topology, {"fsdp": 128, "tensor": 4}, QKVO)
+    plain = _scored(spec, topology, {"fsdp": 16, "context": 4, "tensor": 8}, "save_qkv_proj", split_stream=False)
+    verdicts: dict = {}
+    order = _to_compile([refused, same_mesh, maxtext, plain], verdicts, attempts=3)
+    assert next(order) is refused
+    verdicts[refused.choice] = Verification(
+        status="rejected", reason=f"{OUT_OF_HBM}, its temporaries need 38.48GiB of 31.24GiB available")
+    assert next(order) is maxtext
+    verdicts[maxtext.choice] = Verification(status="fits")
+    assert next(order) is plain  # what a third attempt would be, had MaxText's setting been refused
+
+
+def test_a_refused_plan_that_was_not_squeezed_passes_over_the_bigger_ones_of_its_kind():
+    spec, topology = load_model("llama3.1-405b"), parse("v6e-256", 2)
+    plans = [_scored(spec, topology, {"fsdp": 16, "context": 4, "tensor": 8}, name, split_stream=False)
+             for name in ("save_qkv_proj", "full")]
+    bigger, smaller = sorted(plans, key=lambda s: -s.memory.total)
+    verdicts: dict = {}
+    order = _to_compile([bigger, bigger, smaller], verdicts, attempts=3)
+    assert next(order) is bigger
+    verdicts[bigger.choice] = Verification(status="over_hbm", reason=f"{OUT_OF_HBM}, its peak ...")
+    assert next(order) is smaller
