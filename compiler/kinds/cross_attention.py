@@ -11,6 +11,7 @@ from __future__ import annotations
 from mxc.compiler.analysis import norm_params
 from mxc.compiler.kinds import register
 from mxc.compiler.kinds.attention import HeadAttention
+from mxc.compiler.kinds.base import Intermediate
 from mxc.compiler.lower.param_def import zeros
 from mxc.spec.ir import CrossAttention, CrossAttentionEntry
 
@@ -52,6 +53,30 @@ class CrossAttentionKind(HeadAttention):
 
     def cache_entries(self, att, batch, length):
         return {}  # the image's keys and values are made from the images at every call
+
+    def attention_intermediates(self, att, choice, images_per_row: int = 1) -> list[Intermediate]:
+        """What the layer's attention makes for one microbatch (plan.activations.intermediates
+        takes these in place of self-attention's): queries over the text; keys and values over
+        each row's image tokens (every tile's, images_per_row images: the compiled batch's default
+        is one); the float32 scores [text, image tokens], always materialised whatever attention
+        path the text takes (the mask is arbitrary, no flash kernel states it), so they count as
+        the xla path's probabilities do; the context, which the layer does not tag (no policy
+        keeps it by name; its product has batch dimensions)."""
+        from mxc.compiler.kinds.vision import tokens_per_image
+
+        b, s, act = choice.microbatch, choice.seq, choice.compute_bytes
+        images = tokens_per_image(choice.spec.vision) * images_per_row
+        text, image = ("batch", "seq"), ("batch", None)
+        heads, kv = (att.heads, att.head_dim), (att.kv_heads, att.head_dim)
+        return [
+            Intermediate("query_proj", (b, s, *heads), (*text, "heads", "head_dim"), act),
+            Intermediate("query_normed", (b, s, *heads), (*text, "heads", "head_dim"), act),
+            Intermediate("key_proj", (b, images, *kv), (*image, "kv_heads", "head_dim"), act),
+            Intermediate("value_proj", (b, images, *kv), (*image, "kv_heads", "head_dim"), act),
+            Intermediate("key_normed", (b, images, *kv), (*image, "kv_heads", "head_dim"), act),
+            Intermediate("attention_probabilities", (b, att.heads, s, images), ("batch", "heads", "seq", None), 4),
+            Intermediate("cross_context", (b, s, *heads), (*text, "heads", "head_dim"), act),
+        ]
 
     def apply(self, att, params, x, positions, **kwargs):
         raise ValueError("a cross_attention layer runs through the model's image path "

@@ -113,6 +113,35 @@ def num_positions(tower: VisionTower) -> int:
     return tower.num_patches + int(tower.class_token)
 
 
+def encoder_tokens(tower: VisionTower) -> int:
+    """Tokens one image's encoder layers run over (the planner's activations): its patches, or for
+    a tiled tower every tile's positions, each tile padded to a multiple of 8
+    (mxc.compiler.lower.vision_mllama runs an image's tiles as one sequence)."""
+    if tower.tiles is None:
+        return tower.num_patches
+    from mxc.compiler.lower.vision_mllama import padded_tokens
+
+    return tower.tiles.max * padded_tokens(tower)
+
+
+def encoder_layers(tower: VisionTower) -> int:
+    """Encoder layers an image goes through: the local ones and a tiled tower's global ones."""
+    return tower.layers + tower.global_layers
+
+
+def untagged_kept_names(dots: bool, gated: bool) -> frozenset[str]:
+    """What a remat policy keeps of a tiled tower's encoder layer for the backward pass: its
+    layers (mxc.compiler.lower.vision_mllama) tag no checkpoint names, so only the layer's input
+    and, under a policy that saves the weights' products (`dots`), its projections; a gated
+    (global) layer's feed-forward output too, which its gate's gradient reads. Names as
+    plan.activations.intermediates gives them (checked against XLA's buffer assignment:
+    docs/multimodal.md, Llama 3.2 Vision)."""
+    names = {"layer_input"}
+    if dots:
+        names |= {"query_proj", "key_proj", "value_proj", "out_proj", "mlpwi"} | ({"mlpwo"} if gated else set())
+    return frozenset(names)
+
+
 def _shuffled_width(tower: VisionTower) -> int:
     return round(tower.d_model / tower.projector.ratio ** 2)
 

@@ -11,6 +11,7 @@ import functools
 
 from mxc.compiler.kinds import kind_of
 from mxc.compiler.kinds.base import Intermediate
+from mxc.compiler.kinds.vision import encoder_layers, encoder_tokens, untagged_kept_names
 from mxc.compiler.plan.choice import Choice
 from mxc.spec.ir import Block
 
@@ -88,21 +89,27 @@ def intermediates(block: Block, choice: Choice) -> list[Intermediate]:
     out = [
         Intermediate("layer_input", (b, s, d), residual, act),
         Intermediate("attention_norm_out", (b, s, d), residual, act),
-        Intermediate("query_proj", (b, s, att.heads, att.head_dim), (*tokens, "heads", "head_dim"), act),
-        Intermediate("key_proj", (b, s, att.kv_heads, att.head_dim), (*tokens, "kv_heads", "head_dim"), act),
-        Intermediate("value_proj", (b, s, att.kv_heads, v_dim), (*tokens, "kv_heads", "head_dim"), act),
-        # RoPE'd queries and keys: new arrays the core reads
-        Intermediate("query_rotated", (b, s, att.heads, att.head_dim), (*tokens, "heads", "head_dim"), act),
-        Intermediate("key_rotated", (b, s, att.kv_heads, att.head_dim), (*tokens, "kv_heads", "head_dim"), act),
     ]
-    if choice.attention.startswith("splash"):
-        # Flash attention keeps only the softmax statistics per query.
-        out.append(Intermediate("attention_statistics", (b, att.heads, s), ("batch", "heads", "seq"), 4))
+    own_core = getattr(kind_of(att), "attention_intermediates", None)  # cross-attention's: keys over images
+    if own_core is not None:
+        out += own_core(att, choice)
     else:
-        # The XLA path materialises the probabilities, in float32.
-        out.append(Intermediate("attention_probabilities", (b, att.heads, s, s), ("batch", "heads", "seq", None), 4))
+        out += [
+            Intermediate("query_proj", (b, s, att.heads, att.head_dim), (*tokens, "heads", "head_dim"), act),
+            Intermediate("key_proj", (b, s, att.kv_heads, att.head_dim), (*tokens, "kv_heads", "head_dim"), act),
+            Intermediate("value_proj", (b, s, att.kv_heads, v_dim), (*tokens, "kv_heads", "head_dim"), act),
+            # RoPE'd queries and keys: new arrays the core reads
+            Intermediate("query_rotated", (b, s, att.heads, att.head_dim), (*tokens, "heads", "head_dim"), act),
+            Intermediate("key_rotated", (b, s, att.kv_heads, att.head_dim), (*tokens, "kv_heads", "head_dim"), act),
+        ]
+        if choice.attention.startswith("splash"):
+            # Flash attention keeps only the softmax statistics per query.
+            out.append(Intermediate("attention_statistics", (b, att.heads, s), ("batch", "heads", "seq"), 4))
+        else:
+            # The XLA path materialises the probabilities, in float32.
+            out.append(Intermediate("attention_probabilities", (b, att.heads, s, s), ("batch", "heads", "seq", None), 4))
+        out.append(Intermediate("context", (b, s, att.heads, v_dim), (*tokens, "heads", "head_dim"), act))
     out += [
-        Intermediate("context", (b, s, att.heads, v_dim), (*tokens, "heads", "head_dim"), act),
         Intermediate("out_proj", (b, s, d), residual, act),
         Intermediate("attention_residual", (b, s, d), residual, act),
         Intermediate("mlp_norm_out", (b, s, d), residual, act),
@@ -160,7 +167,7 @@ class _EncoderView:
     def __init__(self, choice: Choice, images: int):
         tower = choice.spec.vision
         self._choice = choice
-        self.microbatch, self.seq, self.attention = images, tower.num_patches, "xla"
+        self.microbatch, self.seq, self.attention = images, encoder_tokens(tower), "xla"
         self.spec = choice.spec.model_copy(update={"d_model": tower.d_model})
 
     def __getattr__(self, name):
@@ -182,11 +189,17 @@ def vision_bytes(choice: Choice, images_per_row: int = 1) -> tuple[int, int]:
         sizes[item.name] = sizes.get(item.name, 0) + choice.local(item.shape, item.axes) * item.bytes_per_element
     kept, _ = kept_names(choice.remat)
     if "*" in kept:
-        per_layer = sum(size for name, size in sizes.items() if name not in NOT_KEPT_WITHOUT_REMAT)
+        stack = encoder_layers(tower) * sum(size for name, size in sizes.items() if name not in NOT_KEPT_WITHOUT_REMAT)
+    elif tower.tiles is not None:  # its layers tag no names (kinds.vision.untagged_kept_names)
+        from mxc.compiler.lower.remat import saved
+
+        dots = saved(choice.remat).dots == "device"
+        stack = sum(count * sum(sizes.get(name, 0) for name in untagged_kept_names(dots, gated))
+                    for count, gated in ((tower.layers, False), (tower.global_layers, True)))
     else:
-        per_layer = sum(size for name, size in sizes.items() if name in kept and name not in NEVER_READ)
+        stack = tower.layers * sum(size for name, size in sizes.items() if name in kept and name not in NEVER_READ)
     scores = sizes.get("attention_probabilities", 0)
-    return tower.layers * per_layer, int(VISION_WORKING_SHARE * sum(sizes.values()) + 2 * scores)
+    return stack, int(VISION_WORKING_SHARE * sum(sizes.values()) + 2 * scores)
 
 
 # The share of one encoder layer's intermediates live in its backward, as for the text layers
