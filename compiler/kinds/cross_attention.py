@@ -60,8 +60,10 @@ class CrossAttentionKind(HeadAttention):
         each row's image tokens (every tile's, images_per_row images: the compiled batch's default
         is one); the float32 scores [text, image tokens], always materialised whatever attention
         path the text takes (the mask is arbitrary, no flash kernel states it), so they count as
-        the xla path's probabilities do; the context, which the layer does not tag (no policy
-        keeps it by name; its product has batch dimensions)."""
+        the xla path's probabilities do (memory.ATTENTION_SCORE_BUFFERS of them in a layer's
+        backward, which also covers what XLA's heap adds around them: docs/multimodal.md); the
+        context, which the layer does not tag (no policy keeps it by name; its product has batch
+        dimensions)."""
         from mxc.compiler.kinds.vision import tokens_per_image
 
         b, s, act = choice.microbatch, choice.seq, choice.compute_bytes
