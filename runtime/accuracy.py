@@ -62,9 +62,11 @@ def check_sizes(servable: Servable, text_tokens: int, prefill: int, decode: int)
     if prefill + decode + 1 > text_tokens:
         raise AccuracyError(f"a prefill of {prefill} and {decode} decode steps score the tokens up to "
                             f"{prefill + decode + 1}; the text has {text_tokens}")
-    if prefill + decode > servable.cache_len:
-        raise AccuracyError(f"{prefill} prefilled + {decode} decoded tokens need a cache of {prefill + decode} "
-                            f"slots; the compiled cache holds {servable.cache_len}")
+    # The prefill writes all its prompt_len slots (a shorter prompt's padding included).
+    needed = max(prefill, servable.prompt_len) + decode
+    if needed > servable.cache_len:
+        raise AccuracyError(f"{prefill} prefilled + {decode} decoded tokens need a cache of {needed} slots (the "
+                            f"prefill writes {servable.prompt_len}); the compiled cache holds {servable.cache_len}")
 
 
 def teacher_forced_predictions(servable: Servable, params, tokens: np.ndarray, prefill: int,
@@ -78,7 +80,8 @@ def teacher_forced_predictions(servable: Servable, params, tokens: np.ndarray, p
     prefilled = min(prefill, width)
     prompt = np.zeros((servable.batch, width), np.int32)  # every row the same request
     prompt[:, :prefilled] = tokens[:prefilled]
-    logits, cache = servable.prefill(params, prompt, np.full(servable.batch, prefilled, np.int32))
+    logits, cache = servable.prefill(params, prompt, np.full(servable.batch, prefilled, np.int32),
+                                     *servable.without_images())
     predictions = []
     for position in range(prefilled, prefill + decode):
         if position >= prefill:

@@ -54,6 +54,10 @@ class Servable:
     # (runtime/serving_images.py); None: the prefill takes no images (or has them built in).
     image_slots: object = None
 
+    def without_images(self) -> tuple:
+        """The prefill's arguments after lengths for a batch of text alone: every image slot empty."""
+        return () if self.image_slots is None else (self.image_slots.empty(self.batch),)
+
 
 @dataclass(frozen=True)
 class GenerationReport:
@@ -135,8 +139,8 @@ def warm_up(servable: Servable, params, sampling: Sampling = Sampling(), seed: i
     logits = _WARMED.get(servable.prefill)
     if logits is None:
         tokens = np.zeros((servable.batch, servable.prompt_len), np.int32)
-        images = () if servable.image_slots is None else (servable.image_slots.empty(servable.batch),)
-        first, cache = servable.prefill(params, tokens, np.ones(servable.batch, np.int32), *images)
+        lengths = np.ones(servable.batch, np.int32)
+        first, cache = servable.prefill(params, tokens, lengths, *servable.without_images())
         after, cache = servable.decode(params, np.zeros(servable.batch, np.int32), cache)
         jax.block_until_ready((first, after, cache))
         logits = _WARMED[servable.prefill] = (first, after)

@@ -190,3 +190,16 @@ def test_the_markdown_row_has_the_columns_of_the_header():
     unmeasured = table_row({"model": "m", "device": "d", "precision": "fp32", "top1": None, "top5": None,
                             "tokens_per_second_per_user": 31.25, "ttft_ms": 338.4})
     assert unmeasured == "| m | d | fp32 | – | – | 31.2 | 338 |"
+
+
+def test_a_prefill_shorter_than_the_compiled_prompt_counts_its_padding_slots():
+    """The prefill writes all of its prompt_len slots, so a 16-token prefill on a 21-token program
+    leaves 7 of 28 slots: 8 decode steps would write past the cache (whose last slot XLA clamps to)."""
+    from mxc.runtime.accuracy import AccuracyError, check_sizes
+    from mxc.runtime.generate import Servable
+
+    servable = Servable(prefill=None, decode=None, abstract_params=None, batch=1, prompt_len=21, cache_len=28,
+                        vocab_size=300)
+    check_sizes(servable, 40, 16, 7)
+    with pytest.raises(AccuracyError, match="need a cache of 29 slots"):
+        check_sizes(servable, 40, 16, 8)

@@ -78,6 +78,15 @@ def test_gemma3_artifact_generates_what_the_model_generates_with_images(tmp_path
     assert ours is not None, done.stderr[-3000:]
     assert ours.tolist() == expected.tolist()
 
+    # Text alone (every slot empty): teacher-forced accuracy of the artifact against the model, 100%.
+    (tmp_path / "text.txt").write_text("It is a truth universally acknowledged, that a single man in possession "
+                                       "of a good fortune, must be in want of a wife.")
+    done = run_mxc(tmp_path, "eval", "accuracy", str(artifact), *params, "--text", str(tmp_path / "text.txt"),
+                   "--tokenizer", "bytes", "--reference", str(model_dir), "--prefill", "16", "--decode", "7",
+                   "--only", "accuracy", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["top1"] == 100.0
+
     np.savez(tmp_path / "cut.npz", pixel_values=pixels_two[:, :, :27])
     _refused(_generate(tmp_path, artifact, tmp_path / "cut.npz", *params)[1],
              "pixel_values must be [images, 3, 28, 28], got float32[2, 3, 27, 28]")
