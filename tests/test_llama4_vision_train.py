@@ -1,6 +1,7 @@
-"""Llama 4 training with images (slow): a train step's loss on packed image-text rows equals the
-forward pass (checked against transformers in test_llama4_vision_parity.py) run document by
-document, on the tiny random Llama 4 of test_llama4_vision.py."""
+"""Llama 4 training with images (slow), on the tiny random Llama 4 of test_llama4_vision.py: a train
+step's loss on packed image-text rows equals the forward pass (checked against transformers in
+test_llama4_vision_parity.py) run document by document; `--freeze vision` leaves the pixel-shuffle
+tower alone; compiled for cpu-8 with fsdp, it trains and resumes bitwise."""
 
 import os
 
@@ -13,7 +14,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from image_train_steps import masked_nll, one_train_step  # noqa: E402
+from image_train_steps import (assert_freezing_the_tower_leaves_it_alone, compile_for_cpu8,  # noqa: E402
+                               masked_nll, one_train_step, train_step_batch_shapes, trains_and_resumes_bitwise)
 from test_llama4_vision import IMAGE_TOKENS, _tiny_spec  # noqa: E402
 
 from mxc.runtime.data import ImagePackedSequences  # noqa: E402
@@ -69,15 +71,51 @@ def _reference_loss(spec, params, rows) -> float:
     return total / count
 
 
-def test_the_steps_loss_equals_the_forward_pass_document_by_document(tmp_path):
-    spec = _tiny_spec().model_copy(update={"param_dtype": "float32", "compute_dtype": "float32"})
-    write_image_tokens(tmp_path / "pairs.bin", _examples(12, seed=2), vocab_size=VOCAB, eod_id=EOD,
-                       placeholder=PLACEHOLDER, tokens_per_image=PER_IMAGE, begin=BEGIN, end=END)
+def _spec():
+    return _tiny_spec().model_copy(update={"param_dtype": "float32", "compute_dtype": "float32"})
+
+
+def _write(path, examples):
+    write_image_tokens(path, examples, vocab_size=VOCAB, eod_id=EOD, placeholder=PLACEHOLDER,
+                       tokens_per_image=PER_IMAGE, begin=BEGIN, end=END)
+
+
+def _rows(tmp_path, count: int, seed: int):
+    _write(tmp_path / "pairs.bin", _examples(count, seed))
     data = open_tokens(tmp_path / "pairs.bin")
-    packed = ImagePackedSequences(data, open_images(data), 48, 2)
-    rows = packed.rows(np.arange(4))
+    return ImagePackedSequences(data, open_images(data), 48, 2).rows(np.arange(4))
+
+
+def test_the_steps_loss_equals_the_forward_pass_document_by_document(tmp_path):
+    spec = _spec()
+    rows = _rows(tmp_path, 12, seed=2)
     assert rows["image_mask"].sum() >= 3 and len(np.unique(rows["segment_ids"][0])) > 1
     state, after, metrics = one_train_step(spec, rows, remat="none", moved=lambda p: _moved(p, seed=3))
     # cross_entropy: the loss without the experts' load-balancing term
     assert float(metrics["cross_entropy"]) == pytest.approx(_reference_loss(spec, state.params, rows), abs=1e-5)
     assert not np.array_equal(state.params["vision"]["projector"]["kernel"], after.params["vision"]["projector"]["kernel"])
+
+
+def test_freezing_the_tower_leaves_it_and_its_optimizer_state_alone(tmp_path):
+    rows = _rows(tmp_path, 8, seed=3)
+    assert rows["image_mask"].sum() >= 2
+    assert_freezing_the_tower_leaves_it_alone(_spec(), rows, remat="none", moved=lambda p: _moved(p, seed=4))
+
+
+def test_a_tiny_llama4_trains_on_cpu8_and_resumes_bitwise(tmp_path):
+    from mxc.compiler.hf.spec_text import spec_text
+
+    (tmp_path / "tiny.mspec").write_text(spec_text(_spec()))
+    manifest = compile_for_cpu8(str(tmp_path / "tiny.mspec"), tmp_path / "artifact", "--seq", "32", "--batch", "8")
+    assert train_step_batch_shapes(manifest)[("pixel_values",)] == [8, 1, 3, 32, 32]
+
+    # Captions a model can only get right by looking: the image's brightness names the words.
+    rng = np.random.default_rng(4)
+    examples = []
+    for _ in range(200):
+        label = int(rng.integers(0, 4))
+        image = (rng.standard_normal((3, 32, 32)) * 0.1 + (label - 1.5)).astype(np.float32)
+        examples.append([np.asarray([3, 4]), image, np.asarray([20 + label, 30 + label, 40 + label])])
+    _write(tmp_path / "pairs.bin", examples)
+    losses = trains_and_resumes_bitwise(tmp_path / "artifact", tmp_path / "pairs.bin", tmp_path)
+    assert losses[-5:].mean() < losses[:5].mean() - 0.5, losses

@@ -3,10 +3,7 @@ placeholders, the train and eval steps' image slots, `--freeze vision`, and (slo
 with a SigLIP tower compiled for cpu-8 that trains on synthetic image-text pairs and resumes
 bitwise. The 27B-scale compiles with images: tests/test_multimodal_plan.py."""
 
-import json
 import os
-import signal
-import subprocess
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -15,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from image_train_steps import masked_nll, one_train_step, train_step_batch_shapes
+from image_train_steps import (assert_freezing_the_tower_leaves_it_alone, compile_for_cpu8, masked_nll,
+                               one_train_step, train_step_batch_shapes, trains_and_resumes_bitwise)
 from mxc.runtime.data import DataError, ImagePackedSequences, image_rows
 from mxc.runtime.image_file import open_images, sidecar_path, write_image_tokens
 from mxc.runtime.token_file import TokenFileError, open_tokens, write_tokens
@@ -177,43 +175,23 @@ def test_the_steps_loss_equals_the_forward_pass_document_by_document(tmp_path, s
 @pytest.mark.slow  # jit of the tiny train step: 1-2 min on this loaded 2-core host
 def test_freezing_the_tower_leaves_it_and_its_optimizer_state_alone(tmp_path, spec):
     from mxc.compiler.lower.optimizer import OptimizerConfig
-    from mxc.compiler.lower.train import init_train_state, make_train_step
+    from mxc.compiler.lower.train import make_train_step
 
     _write(tmp_path / "pairs.bin", _examples(8, seed=3))
     data = open_tokens(tmp_path / "pairs.bin")
     rows = ImagePackedSequences(data, open_images(data), 24, 2).rows(np.arange(4))
-    batch = {k: jnp.asarray(v) for k, v in rows.items()}
-    config = OptimizerConfig(learning_rate=1e-2, total_steps=10, warmup_steps=0, freeze=("vision",))
-    state = init_train_state(spec, config, jax.random.key(0))
-    full = init_train_state(spec, config.model_copy(update={"freeze": ()}), jax.random.key(0))
-    # no moments for the tower: the optimizer state has the text's leaves only
-    text_leaves = len(jax.tree.leaves({k: v for k, v in state.params.items() if k != "vision"}))
-    assert len(jax.tree.leaves(full.opt_state)) - len(jax.tree.leaves(state.opt_state)) \
-        == 2 * (len(jax.tree.leaves(state.params)) - text_leaves)
-    after, _ = jax.jit(make_train_step(spec, config, remat="none"))(state, batch)
-    for before, now in zip(jax.tree.leaves(state.params["vision"]), jax.tree.leaves(after.params["vision"])):
-        assert np.array_equal(before, now)
-    assert not np.array_equal(state.params["final_norm"]["scale"], after.params["final_norm"]["scale"])
+    assert_freezing_the_tower_leaves_it_alone(spec, rows, remat="none")
     with pytest.raises(ValueError, match="cannot freeze towers"):
-        make_train_step(spec, config.model_copy(update={"freeze": ("towers",)}))
+        make_train_step(spec, OptimizerConfig(freeze=("towers",)))
 
 
 # ------------------------------------------------------------------ cpu-8 and v5p-256
 
-@pytest.mark.slow
+@pytest.mark.slow  # a cpu-8 compile and three runs: about 3 min under load
 def test_a_tiny_multimodal_gemma3_trains_on_cpu8_and_resumes_bitwise(tmp_path):
-    from runtime_support import (MXC, cpu_env, read_metrics, restore_on_one_device, run_command,
-                                 wait_for_step)
-
     (tmp_path / "tiny.mspec").write_text(TINY)
-    # Data parallel: XLA:CPU's 8 virtual devices deadlock when the tower's and the text's
-    # parameter gathers run in different orders on different devices (docs/multimodal.md).
-    done = subprocess.run([MXC, "compile", f"{tmp_path / 'tiny.mspec'}:gemma3-mm-tiny", "--topology", "cpu-8",
-                           "--seq", "16", "--batch", "8", "--pin", "data=8", "--functions", "init,train_step",
-                           "-o", str(tmp_path / "artifact")], env=cpu_env(8), capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    manifest = json.loads((tmp_path / "artifact" / "manifest.json").read_text())
+    manifest = compile_for_cpu8(f"{tmp_path / 'tiny.mspec'}:gemma3-mm-tiny", tmp_path / "artifact",
+                                "--seq", "16", "--batch", "8")
     shapes = train_step_batch_shapes(manifest)
     assert shapes[("pixel_values",)] == [8, 1, 3, 28, 28] and shapes[("image_mask",)] == [8, 1]
 
@@ -225,31 +203,5 @@ def test_a_tiny_multimodal_gemma3_trains_on_cpu8_and_resumes_bitwise(tmp_path):
         image = (rng.standard_normal((3, 28, 28)) * 0.1 + (label - 1.5)).astype(np.float32)
         examples.append([np.asarray([1, 2]), image, np.asarray([20 + label, 30 + label, 40 + label])])
     _write(tmp_path / "pairs.bin", examples)
-
-    steps, extra = 30, ["--learning-rate", "1e-2", "--warmup-steps", "2", "--save-every", "10"]
-    ref_metrics, ref_ckpt = tmp_path / "ref.jsonl", tmp_path / "ref_ckpt"
-    done = subprocess.run(run_command(tmp_path / "artifact", tmp_path / "pairs.bin", ref_ckpt, steps=steps,
-                                      metrics=ref_metrics, extra=extra),
-                          env=cpu_env(), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    losses = np.array([r["loss"] for r in read_metrics(ref_metrics)])
-    assert len(losses) == steps and losses[-5:].mean() < losses[:5].mean() - 1.0, losses
-
-    metrics, ckpt = tmp_path / "killed.jsonl", tmp_path / "killed_ckpt"
-    command = run_command(tmp_path / "artifact", tmp_path / "pairs.bin", ckpt, steps=steps, metrics=metrics,
-                          extra=extra)
-    process = subprocess.Popen(command, env=cpu_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_step(process, metrics, 25)  # after the step-10 and step-20 saves
-        process.send_signal(signal.SIGKILL)
-        process.wait(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    done = subprocess.run(command, env=cpu_env(), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0 and "resumed from step" in done.stderr, done.stderr[-4000:]
-    assert [(r["step"], r["loss"]) for r in read_metrics(metrics)] == \
-        [(r["step"], r["loss"]) for r in read_metrics(ref_metrics)]
-    expected, resumed = restore_on_one_device(ref_ckpt, steps), restore_on_one_device(ckpt, steps)
-    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(resumed)):
-        assert np.array_equal(np.asarray(a), np.asarray(b))
+    losses = trains_and_resumes_bitwise(tmp_path / "artifact", tmp_path / "pairs.bin", tmp_path)
+    assert losses[-5:].mean() < losses[:5].mean() - 1.0, losses
