@@ -95,3 +95,21 @@ def test_the_cpu_prefill_attends_to_the_prompt_alone():
         else:
             np.testing.assert_array_equal(got, want)
     assert flops[0] < flops[1], flops
+
+
+def test_the_cpu_decode_step_reads_the_attention_output_kernel_in_place():
+    """The attention output projection contracts heads and head_dim as one row-major matrix
+    product (weight_gradients._forward_product): as an einsum, XLA:CPU copied every layer's
+    output kernel transposed at every decode step."""
+    import re
+
+    spec = load_model(MODEL)
+    params = per_layer_arrays(init_params(spec, jax.random.key(0)))
+    prefill, decode = serving_steps(spec, 1, CACHE, dtype="float32")
+    prompt = np.zeros((1, PROMPT), np.int32)
+    cache = jax.eval_shape(prefill, params, prompt, np.array([PROMPT], np.int32))[1]
+    hlo = jax.jit(decode).lower(params, np.zeros(1, np.int32), cache).compile().as_text()
+    kernels = re.findall(r"%(\S*attention\S*_o_\S*kernel\S*) = f32\S* parameter", hlo)
+    assert len(kernels) == spec.layers[0].repeat, kernels  # one per layer, found by name
+    copies = [k for k in kernels if re.search(rf"fusion\(%{re.escape(k)}\), kind=kLoop", hlo)]
+    assert not copies, copies
