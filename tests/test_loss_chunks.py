@@ -98,3 +98,20 @@ def test_the_chunked_program_never_holds_the_whole_logits():
     plain, chunked = temporaries(1), temporaries(8)
     assert plain >= logits  # the logits (4 MiB here) at least
     assert chunked < plain - logits / 2, (plain, chunked)
+
+
+def test_the_search_splits_the_loss_where_the_float32_logits_fill_hbm():
+    """Llama 3.1 8B on v6e-256, 4 microbatches of one 8192-token sequence per device: 3.9 GiB of
+    float32 logits. Without XLA's verdict plans must fit in 0.9 of HBM: only the loss in pieces
+    does, and its twin over the whole logits is faster by the head's recomputation."""
+    from mxc.compiler.plan import plan
+    from mxc.compiler.topology import parse
+
+    chosen = plan(load_model("llama3.1-8b"), parse("v6e-256"), seq=8192, batch=1024, pins={"fsdp": 256},
+                  remat="minimal_with_context", microbatches=4, verify=False)
+    assert chosen.lowering.loss_chunks == chosen.lowering_choices().loss_chunks == 8
+    whole = [c for c in chosen.candidates if c.loss_chunks == 1 and c.mesh == {"fsdp": 256}]
+    assert whole and whole[0].step_s < chosen.time.step_s
+    assert whole[0].predicted_bytes > chosen.predicted.total + 2 * 2**30  # 1.5 x 7/8 of the logits, less the head's gradient
+    small = plan(load_model("llama3-tiny"), parse("v5p-8"), seq=64, batch=16, verify=False)
+    assert small.lowering.loss_chunks == 1

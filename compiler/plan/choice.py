@@ -40,10 +40,12 @@ class Choice:
     # MoE layers: the lowering's expert path and its capacity factor (None without experts)
     expert_path: str | None = None
     capacity_factor: float | None = None
+    # The output head and loss over this many pieces of the sequence (LoweringChoices.loss_chunks)
+    loss_chunks: int = 1
 
     def __hash__(self):
         return hash((self.spec.name, tuple(sorted(self.mesh.items())), tuple(sorted(self.dcn.items())),
-                     self.seq, self.batch, self.microbatches, self.remat, self.attention))
+                     self.seq, self.batch, self.microbatches, self.remat, self.attention, self.loss_chunks))
 
     @property
     def param_bytes(self) -> int:

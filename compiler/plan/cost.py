@@ -84,6 +84,8 @@ def executed_flops_per_token(choice: Choice) -> tuple[float, float]:
             redo += count * core * (1 + ("core" in recomputed) / 3)
         if kind_of(block.mlp).routing(block.mlp) is not None and choice.expert_path == "capacity":
             redo += count * _capacity_overhead_per_token(block.mlp, spec.d_model, choice)
+    if choice.loss_chunks > 1:  # the backward recomputes each piece's logits: the head's forward again
+        redo += 2 * spec.d_model * spec.vocab
     return model, model + redo
 
 
@@ -195,8 +197,9 @@ def hbm_traffic(choice: Choice) -> float:
     # gradient written and read backward; a recomputing backward runs the forward once more.
     passes = 4 + (2 if RECOMPUTED[choice.remat] else 0)
     activations = microbatches * passes * produced
-    # Float32 logits written, read by the log-sum-exp, read again for their gradient.
-    logits = microbatches * 3 * logits_bytes(choice)
+    # Float32 logits written, read by the log-sum-exp, read again for their gradient; over pieces
+    # of the sequence, written and read once more where the backward recomputes them.
+    logits = microbatches * (3 + 2 * (choice.loss_chunks > 1)) * logits_bytes(choice)
     update = UPDATE_ACCESSES * parameter_bytes(choice)
     if microbatches > 1:
         update += 2 * microbatches * parameter_bytes(choice)  # the accumulator, read and written

@@ -47,7 +47,7 @@ class Verdicts:
         return Candidate(mesh={a: choice.mesh[a] for a in MESH_AXES if choice.mesh[a] > 1} or {"data": 1},
                          remat=choice.remat, microbatches=choice.microbatches,
                          predicted_bytes=item.memory.total, step_s=item.time.step_s,
-                         lost_because=self.why_lost(item, chosen))
+                         lost_because=self.why_lost(item, chosen), loss_chunks=choice.loss_chunks)
 
     def losers(self, chosen: Scored, fitting: list[Scored], scored: list[Scored]) -> list[Candidate]:
         """The candidates XLA judged first, then the next best; and the fastest of all when it
@@ -67,6 +67,7 @@ class Verdicts:
             "mesh": (lambda c: (c.mesh_key(), tuple(c.dcn.items())), mesh_text),
             "remat": (lambda c: c.remat, lambda c: c.remat),
             "microbatches": (lambda c: c.microbatches, lambda c: str(c.microbatches)),
+            "loss": (lambda c: c.loss_chunks, _loss_text),
         }
         for knob, (key, text) in knobs.items():
             others = [s for s in scored if key(s.choice) != key(choice)
@@ -81,3 +82,8 @@ class Verdicts:
                        + ("Pallas flash attention, scores never materialised" if choice.attention == "splash"
                           else "the XLA path (splash needs TPU, whole sequences per device, seq % 128 == 0)"))
         return reasons
+
+
+def _loss_text(choice) -> str:
+    return (f"in {choice.loss_chunks} pieces of the sequence (each piece's logits recomputed in the backward)"
+            if choice.loss_chunks > 1 else "over the whole float32 logits")

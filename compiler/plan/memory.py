@@ -96,6 +96,22 @@ def logits_bytes(choice: Choice) -> int:
     return choice.local((choice.microbatch, choice.seq, spec.vocab), ("batch", "seq", "vocab")) * 4
 
 
+def loss_logits_bytes(choice: Choice) -> int:
+    """The float32 logits alive at once in the loss: one microbatch's, or one of its pieces' where
+    the loss runs over pieces of the sequence (Choice.loss_chunks; each piece's logits are
+    recomputed in the backward pass and none is kept through it)."""
+    return logits_bytes(choice) // choice.loss_chunks
+
+
+def chunked_head_gradient_bytes(choice: Choice) -> int:
+    """Where the loss runs over pieces: the output head's float32 gradient, summed over the pieces
+    as the loop's carry, whole but for the vocabulary's split (0 for the loss over the whole logits)."""
+    if choice.loss_chunks == 1:
+        return 0
+    spec = choice.spec
+    return -(-spec.vocab // choice.split("vocab")) * spec.d_model * 4
+
+
 def gathered_layer_bytes(choice: Choice) -> int:
     """The largest layer's weights in the compute dtype, gathered over the axes that only split
     them for memory (tensor and expert shards stay split)."""
@@ -152,16 +168,17 @@ def temporaries_asked(choice: Choice, host: float) -> tuple[float, float]:
     # One of a vision tower's layers' backward is another candidate for the largest working set.
     layer_working = max(layer_working, vision_bytes(choice)[1])
     gathered = gathered_layer_bytes(choice)
-    loss_peak = LOGITS_BUFFERS * logits_bytes(choice) + GATHERED_AT_LOSS * gathered
+    loss_peak = (LOGITS_BUFFERS * loss_logits_bytes(choice) + GATHERED_AT_LOSS * gathered
+                 + chunked_head_gradient_bytes(choice))
     layer_peak = layer_working + GATHERED_LAYERS * gathered
     if spec.embedding.tied:
-        layer_peak += TIED_HEAD_LOGITS * logits_bytes(choice)
+        layer_peak += TIED_HEAD_LOGITS * loss_logits_bytes(choice)
     # Copies to and from the host are in flight while layers run, not at the loss, where the
     # forward's have landed and the backward's have not started (Llama 3.1 70B on v6e-256 with
     # each layer's input and q/k/v offloaded, 112 GiB to host, one microbatch: XLA's device
     # temporaries 26.9 GiB, below the loss peak alone).
     temporaries = max(loss_peak, layer_peak + OFFLOAD_STAGING * host)
-    irreducible = max(LOGITS_IRREDUCIBLE * logits_bytes(choice) + GATHERED_AT_LOSS * gathered, layer_peak)
+    irreducible = max(LOGITS_IRREDUCIBLE * loss_logits_bytes(choice) + GATHERED_AT_LOSS * gathered, layer_peak)
     return temporaries, irreducible
 
 

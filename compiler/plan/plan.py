@@ -122,6 +122,7 @@ class Candidate(_Value):
     predicted_bytes: int
     step_s: float | None
     lost_because: str
+    loss_chunks: int = 1  # the loss over pieces of the sequence (Lowering.loss_chunks)
 
 
 def spec_hash(spec) -> str:
@@ -139,6 +140,7 @@ class Lowering(_Value):
     interpret_kernels: bool
     quantization: str = "fp32"  # compiler/lower/choices.py's; fp32 in plans saved before it was kept
     float32_logits_dot: bool = True  # compiler/lower/choices.py's; True in plans saved before it was kept
+    loss_chunks: int = 1  # compiler/lower/choices.py's; 1 (the whole logits) in plans saved before it was kept
 
 
 class Pipeline(_Value):

@@ -54,6 +54,9 @@ def plan_text(plan: Plan, explain: bool = True) -> str:
              f"  remat         {plan.remat}",
              f"  microbatches  {plan.microbatches} ({plan.batch // plan.microbatches} sequences each)",
              f"  attention     {plan.attention}"]
+    if plan.lowering is not None and plan.lowering.loss_chunks > 1:
+        lines.append(f"  loss          in {plan.lowering.loss_chunks} pieces of the sequence (float32 logits of one "
+                     "piece at a time)")
     if plan.pins:
         lines.append("  pinned        " + ", ".join(f"{k}={v}" for k, v in plan.pins.items()))
     lines += ["", f"  {'memory per device':<52}{'predicted':>12}{'XLA':>12}"]
@@ -81,6 +84,7 @@ def plan_text(plan: Plan, explain: bool = True) -> str:
         for c in plan.candidates:
             mesh = ", ".join(f"{k} {v}" for k, v in c.mesh.items())
             step = "-" if c.step_s is None else duration(c.step_s)
-            lines.append(f"    {mesh}; remat {c.remat}; {c.microbatches} mb: {_size(c.predicted_bytes)}, "
+            loss = f"; loss in {c.loss_chunks} pieces" if c.loss_chunks > 1 else ""
+            lines.append(f"    {mesh}; remat {c.remat}; {c.microbatches} mb{loss}: {_size(c.predicted_bytes)}, "
                          f"{step}: {c.lost_because}")
     return "\n".join(lines)

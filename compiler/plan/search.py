@@ -201,7 +201,9 @@ def _plan_value(spec, topology: Topology, seq: int, batch: int, pins, item: Scor
         rules={k: list(v) for k, v in choice.rules.items()}, remat=choice.remat,
         microbatches=choice.microbatches, pipeline=pipeline_for(spec, choice.mesh.get("stage", 1), choice.microbatches),
         attention=choice.attention, expert_path=choice.expert_path,
-        capacity_factor=choice.capacity_factor, lowering=_lowering_for(topology), pins=dict(pins), fits=fits_now,
+        capacity_factor=choice.capacity_factor,
+        lowering=_lowering_for(topology).model_copy(update={"loss_chunks": choice.loss_chunks}), pins=dict(pins),
+        fits=fits_now,
         predicted=item.memory, serving_kv_cache=memory.kv_cache_bytes(choice, seq), xla=verdict, time=verdict.time or item.time)
 
 
