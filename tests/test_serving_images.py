@@ -73,6 +73,9 @@ def test_gemma3_artifact_generates_what_the_model_generates_with_images(tmp_path
     shapes = {leaf["path"][1]: leaf["shape"] for leaf in manifest["functions"]["prefill"]["inputs"]
               if leaf["path"][0] == 3}
     assert shapes == {"pixel_values": [2, 2, 3, 28, 28], "image_mask": [2, 2]}
+    from mxc.compiler.commands.artifact_summary import run_lines  # what mxc inspect prints
+
+    assert "  images: 2 slot(s) per row, each image 4 placeholder tokens (299)" in run_lines(manifest["run"])
     params = ["--params", str(model_dir / "params")]
     ours, done = _generate(tmp_path, artifact, tmp_path / "in.npz", *params)
     assert ours is not None, done.stderr[-3000:]

@@ -111,4 +111,9 @@ def run_lines(run: dict) -> list[str]:
     if run.get("serve"):
         lines.append(f"serve: batch {run['serve_batch']}, prompt {run['prompt_len']}, "
                      f"cache {run['cache_len']} tokens")
+    images = run.get("serve_images")
+    if images:  # a vision model's prefill takes each row's images in fixed slots (docs/multimodal.md)
+        each = (f"one image token ({images['token']})" if images["entry"] == "cross_attention"
+                else f"{images['tokens_per_image']} placeholder tokens ({images['token']})")
+        lines.append(f"  images: {images['slots']} slot(s) per row, each image {each}")
     return lines
