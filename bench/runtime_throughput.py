@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from runtime_common import (MODELS, PYTHON, BenchModel, byte_tokens, compile_artifact, cpu_env,  # noqa: E402
                             machine, read_metrics, write_spec)
 
+from mxc.runtime import allocator  # noqa: E402
+
 
 def maxtext_model(model: BenchModel) -> dict:
     """The bench model's dimensions in MaxText's config keys (MaxText/configs/base.yml)."""
@@ -143,6 +145,12 @@ def maxtext_throughput(python: str, model: BenchModel, work: Path, seq: int, bat
             "run_wall_seconds": round(wall, 1), "command": " ".join(command)}
 
 
+def training_allocator() -> str:
+    """The allocator `mxc run` restarts on (mxc.runtime.allocator): it moves a CPU step's time."""
+    chosen = cpu_env().get(allocator.ENV_CHOICE, "jemalloc") == "jemalloc" and allocator.find_jemalloc()
+    return "jemalloc, freed pages kept" if chosen else "system"
+
+
 def median_of(runs: list[dict], key: str = "tokens_per_second") -> float:
     return statistics.median(r[key] for r in runs)
 
@@ -181,7 +189,7 @@ def main() -> None:
               "batch": args.batch, "steps": args.steps, "measured_steps": f"{args.skip}-{args.steps - 1}",
               "rounds": args.rounds,
               "mxc": {"tokens_per_second": median_of(mxc_runs), "compile_seconds": round(compile_seconds, 1),
-                      "remat": planned_remat(artifact), "runs": mxc_runs},
+                      "remat": planned_remat(artifact), "allocator": training_allocator(), "runs": mxc_runs},
               "transformers": {"tokens_per_second": median_of(torch_runs), "runs": torch_runs}}
     result["ratio_mxc_over_transformers"] = round(median_of(mxc_runs) / median_of(torch_runs), 2)
     if all("tokens_per_cpu_second" in r for r in mxc_runs + torch_runs):

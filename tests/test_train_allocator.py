@@ -68,7 +68,7 @@ def test_only_the_run_command_restarts_on_jemalloc():
 
 
 def test_the_training_configuration_never_purges_and_keeps_the_users_settings():
-    assert allocator.training_malloc_conf(2) == "narenas:1,dirty_decay_ms:-1,muzzy_decay_ms:-1"
+    assert allocator.training_malloc_conf(2) == "narenas:1,dirty_decay_ms:-1,muzzy_decay_ms:-1,thp:always"
     env = allocator.reexec_environment({"MALLOC_CONF": "narenas:4"}, "libjemalloc.so.2",
                                        allocator.training_malloc_conf())
     assert env["MALLOC_CONF"] == "narenas:4" and env["LD_PRELOAD"] == "libjemalloc.so.2"
