@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mxc.compiler.lower import remat
 from mxc.compiler.plan.candidates import choices, score
+from mxc.compiler.plan.explain import Verdicts
 from mxc.compiler.plan.layout import parameters
 from mxc.compiler.plan.plan import OUT_OF_HBM, Verification
 from mxc.compiler.plan.rules import sequence_parallel
@@ -34,14 +35,18 @@ def test_a_refused_squeezed_plan_passes_over_the_plans_it_condemns_and_keeps_the
     same_mesh = _scored(spec, topology, {"fsdp": 256, "tensor": 2}, remat.custom(decoder_layer_input=OFFLOAD, **QKV))
     maxtext = _scored(spec, topology, {"fsdp": 128, "tensor": 4}, QKVO)
     plain = _scored(spec, topology, {"fsdp": 16, "context": 4, "tensor": 8}, "save_qkv_proj", split_stream=False)
-    verdicts: dict = {}
-    order = _to_compile([refused, same_mesh, maxtext, plain], verdicts, attempts=3)
+    verdicts, passed = {}, {}
+    order = _to_compile([refused, same_mesh, maxtext, plain], verdicts, attempts=3, passed=passed)
     assert next(order) is refused
     verdicts[refused.choice] = Verification(
         status="rejected", reason=f"{OUT_OF_HBM}, its temporaries need 38.48GiB of 31.24GiB available")
     assert next(order) is maxtext
     verdicts[maxtext.choice] = Verification(status="fits")
     assert next(order) is plain  # what a third attempt would be, had MaxText's setting been refused
+    # --explain says why the faster plan on the refused mesh was not compiled
+    assert list(passed) == [same_mesh.choice]
+    why = Verdicts(verdicts, topology.usable_hbm_bytes, None, passed).why_lost(same_mesh, maxtext)
+    assert why.startswith("passed over: XLA refused fsdp 256, tensor 2") and "0.57" in why
 
 
 def test_a_refused_plan_that_was_not_squeezed_passes_over_the_bigger_ones_of_its_kind():

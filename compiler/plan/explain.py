@@ -16,13 +16,16 @@ class Verdicts:
     """What the search knows when it explains: XLA's verdicts so far, the HBM, and the memory it
     kept as margin where XLA could not judge (None where it could)."""
 
-    def __init__(self, verdicts: dict, hbm: int, margin: float | None):
+    def __init__(self, verdicts: dict, hbm: int, margin: float | None, passed: dict | None = None):
         self.verdicts, self.hbm, self.margin = verdicts, hbm, margin
+        self.passed = passed or {}  # candidates a refusal condemned, and why (search._to_compile)
 
     def why_lost(self, item: Scored, chosen: Scored) -> str:
         verdict: Verification | None = self.verdicts.get(item.choice)
         if verdict is not None and verdict.status in ("rejected", "over_hbm"):
             return verdict.reason
+        if item.choice in self.passed:
+            return self.passed[item.choice]
         if item.memory.total > self.hbm:
             return f"predicted {gib(item.memory.total)} > {gib(self.hbm)} HBM"
         budget = memory.host_budget(item.choice)

@@ -67,11 +67,12 @@ def plan(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, pins: Map
         return _no_fit(spec, params, topology, seq, batch, pins, scored)
 
     verdicts: dict[Choice, Verification] = {}
+    passed: dict[Choice, str] = {}  # candidates a refusal condemned, and why
     chosen = fitting[0]
     if not verify:
         verdicts[chosen.choice] = Verification(status="skipped", reason="--no-verify")
     else:
-        for candidate in _to_compile(fitting, verdicts, attempts):
+        for candidate in _to_compile(fitting, verdicts, attempts, passed):
             say(f"compiling the train step for {describe(candidate.choice)} ...")
             verdict = _verify(spec, candidate, topology)
             verdicts[candidate.choice] = verdict
@@ -83,7 +84,7 @@ def plan(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, pins: Map
             chosen = min((c for c in fitting if c.choice in verdicts), key=rank)
     verdict = verdicts[chosen.choice]
     fits_now = verdict.status == "fits" or (verdict.status in ("unavailable", "skipped") and chosen.memory.total <= hbm)
-    explain = Verdicts(verdicts, hbm, None if judged else margin)
+    explain = Verdicts(verdicts, hbm, None if judged else margin, passed)
     reasons = explain.reasons(chosen, fitting, scored)
     if not judged:
         reasons.append(f"without XLA's verdict, plans within {UNVERIFIED_SHARE:.0%} of HBM ({gib(margin)}) come "
@@ -139,7 +140,8 @@ def _merge_pins(spec: ModelSpec, command_line: dict[str, int]) -> dict[str, int]
     return pins
 
 
-def _to_compile(fitting: list[Scored], verdicts: dict, attempts: int) -> Iterator[Scored]:
+def _to_compile(fitting: list[Scored], verdicts: dict, attempts: int,
+                passed: dict | None = None) -> Iterator[Scored]:
     """Candidates to compile, in the search's order, up to `attempts`, passing over those a refusal
     already condemns. Where the memory model squeezes a candidate's temporaries (memory.squeezed),
     its prediction rests on their irreducible part fitting the room beside the state; XLA's refusal
@@ -148,12 +150,15 @@ def _to_compile(fitting: list[Scored], verdicts: dict, attempts: int) -> Iterato
     keep their order (Llama 3.1 405B on 2 x v6e-256: fsdp 256 x tensor 2 refused, its irreducible
     part 11.1 GiB of 19.4, 0.57; MaxText's fsdp 128 x tensor 4, 6.9 of 19.4, fits). Once XLA
     refuses a candidate that was not squeezed, the unsqueezed ones predicted to need at least as
-    much are passed over."""
+    much are passed over (`passed` receives them, with why)."""
     pending, tried = list(fitting), 0
     while pending and tried < attempts:
         item = pending.pop(0)
         refused = [r for r in fitting if r.choice in verdicts and verdicts[r.choice].out_of_memory]
-        if _condemned(item, refused):
+        why = _condemned(item, refused)
+        if why:
+            if passed is not None:
+                passed[item.choice] = why
             continue
         tried += 1
         yield item
@@ -171,15 +176,18 @@ def _squeezed_share(item: Scored) -> float | None:
     return irreducible / room if room > 0 else math.inf
 
 
-def _condemned(item: Scored, refused: list[Scored]) -> bool:
+def _condemned(item: Scored, refused: list[Scored]) -> str:
+    """Why a refusal condemns `item` ("" where none does)."""
     share = _squeezed_share(item)
     for r in refused:
         refused_share = _squeezed_share(r)
         if share is not None and refused_share is not None and share >= refused_share * (1 - 1e-9):
-            return True
+            return (f"passed over: XLA refused {describe(r.choice)}, whose irreducible temporaries take "
+                    f"{refused_share:.2f} of the room beside its state; this one's take {share:.2f}")
         if share is None and refused_share is None and r.memory.total <= item.memory.total:
-            return True
-    return False
+            return (f"passed over: XLA refused {describe(r.choice)}, predicted {gib(r.memory.total)}; "
+                    f"this one is predicted {gib(item.memory.total)}")
+    return ""
 
 
 def _verify(spec: ModelSpec, candidate: Scored, topology: Topology) -> Verification:
