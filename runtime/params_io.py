@@ -41,9 +41,43 @@ def load_params(path: str | Path, target=None):
     if quantize_at_load.needs_quantizing(saved, target):
         floats = quantize_at_load.float_target(saved, target)
         _check_matches(saved, floats, path)
-        return quantize_at_load.quantized_like(checkpointer.restore(path, jax.tree.map(_abstract, floats)), target)
+        return quantize_at_load.quantized_like(_restore(checkpointer, path, saved, floats), target)
     _check_matches(saved, target, path)
-    return checkpointer.restore(path, jax.tree.map(_abstract, target))
+    return _restore(checkpointer, path, saved, target)
+
+
+def _restore(checkpointer, path, saved, target):
+    """Restore `target`'s leaves. Orbax wants the saved tree's structure, groups without leaves
+    included (a weightless norm's `{}` in imported params), which a model's target leaves out: they
+    are asked for as saved and dropped again."""
+    import jax
+
+    restored = checkpointer.restore(path, _with_leafless_groups(saved, jax.tree.map(_abstract, target)))
+    return _without_leafless_groups(restored, target)
+
+
+def _with_leafless_groups(saved, target):
+    if isinstance(target, (list, tuple)) and isinstance(saved, (list, tuple)) and len(saved) == len(target):
+        return type(target)(_with_leafless_groups(s, t) for s, t in zip(saved, target))
+    if not (isinstance(saved, dict) and isinstance(target, dict)):
+        return target
+    out = {key: _with_leafless_groups(saved.get(key), value) for key, value in target.items()}
+    out.update({key: value for key, value in saved.items() if key not in target and _leafless(value)})
+    return out
+
+
+def _without_leafless_groups(restored, target):
+    if isinstance(target, (list, tuple)) and isinstance(restored, (list, tuple)):
+        return type(target)(_without_leafless_groups(r, t) for r, t in zip(restored, target))
+    if not (isinstance(restored, dict) and isinstance(target, dict)):
+        return restored
+    return {key: _without_leafless_groups(restored[key], value) for key, value in target.items()}
+
+
+def _leafless(tree) -> bool:
+    import jax
+
+    return not jax.tree_util.tree_leaves(tree)
 
 
 def _abstract(x):

@@ -74,6 +74,16 @@ def test_parameters_saved_by_the_hf_importer_are_read_too(tmp_path):
     _assert_trees_equal(restore_params(tmp_path / "params", params), params)
 
 
+def test_imported_groups_without_leaves_do_not_block_a_restore(tmp_path):
+    """An imported model's weightless norms are `{}` (Llama 4's q/k norms); an artifact's target has
+    no such group, and the parameters still load."""
+    from mxc.runtime.params_io import load_params, save_params
+
+    params, _ = _state(1)
+    save_params(tmp_path / "params", {**params, "q_norm": {}, "inner": {"k_norm": {}}})
+    _assert_trees_equal(load_params(tmp_path / "params", abstract_like(params)), params)
+
+
 def test_a_crash_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     directory, marker = tmp_path / "ckpt", tmp_path / "saving"
     process = subprocess.Popen(child("crash_during_save", directory, marker),
