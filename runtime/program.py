@@ -73,6 +73,7 @@ class BoundFunction:
         self.name = function.name
         self.in_shardings = [leaf_sharding(mesh, leaf) for leaf in function.inputs]
         self.out_shardings = [leaf_sharding(mesh, leaf) for leaf in function.outputs]
+        self._expected = [(jnp.dtype(leaf.dtype), tuple(leaf.shape)) for leaf in function.inputs]
         self._run_flat = run_flat
         self._per_layer_params = _per_layer_params_argument(function)
 
@@ -87,8 +88,8 @@ class BoundFunction:
         if self._per_layer_params is not None:  # a checkpoint's stacked params, split for this call alone
             index = self._per_layer_params
             args = args[:index] + (self.params_as_taken(args[index]),) + args[index + 1:]
-        flat = [_place(lookup(args, leaf.path, root=self.name), leaf, sharding, names)
-                for leaf, sharding in zip(self.function.inputs, self.in_shardings)]
+        flat = [_place(lookup(args, leaf.path, root=self.name), leaf, sharding, names, expected)
+                for leaf, sharding, expected in zip(self.function.inputs, self.in_shardings, self._expected)]
         results = self._run_flat(flat)
         tree = build_tree([leaf.path for leaf in self.function.outputs], results)
         return tuple(tree) if isinstance(tree, list) else tree
@@ -128,9 +129,10 @@ def _display(leaf: Leaf, names: list[str]) -> str:
     return path_name(path)
 
 
-def _place(value, leaf: Leaf, sharding: NamedSharding, names: list[str]):
-    """The argument as a jax.Array with the compiled sharding (a no-op when it already is one)."""
-    dtype, shape = jnp.dtype(leaf.dtype), tuple(leaf.shape)
+def _place(value, leaf: Leaf, sharding: NamedSharding, names: list[str], expected: tuple):
+    """The argument as a jax.Array with the compiled sharding (a no-op when it already is one);
+    `expected`: the leaf's (dtype, shape), made once per function."""
+    dtype, shape = expected
     if isinstance(value, jax.Array):
         if value.is_deleted():  # running on freed buffers crashes jaxlib (a segfault on multi-device CPU)
             raise ValueError(f"argument {_display(leaf, names)} was donated to a previous call (its buffers are "
@@ -138,7 +140,8 @@ def _place(value, leaf: Leaf, sharding: NamedSharding, names: list[str]):
         if value.shape != shape or value.dtype != dtype:
             raise ValueError(f"{_display(leaf, names)}: expected {dtype}{list(shape)}, found "
                              f"{value.dtype}{list(value.shape)}")
-        return value if value.sharding == sharding else jax.device_put(value, sharding)
+        placed = value.sharding
+        return value if placed is sharding or placed == sharding else jax.device_put(value, sharding)
     array = np.asarray(value)
     if array.shape != shape:
         raise ValueError(f"{_display(leaf, names)}: expected shape {list(shape)}, found {list(array.shape)}")
