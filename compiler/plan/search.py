@@ -12,7 +12,8 @@ from typing import Callable, Iterator, Mapping
 from mxc.compiler.plan import memory
 from mxc.compiler.plan.advice import advice
 from mxc.compiler.plan.candidates import (Scored, attention_for, choices, describe, expert_settings, fits,
-                                          gib, on_capacity_path, rank, score, uses_memory_lever)
+                                          gib, on_capacity_path, rank, score, uses_memory_lever,
+                                          without_needless_pieces)
 from mxc.compiler.plan.choice import Choice
 from mxc.compiler.plan.explain import Verdicts
 from mxc.compiler.plan.layout import parameters
@@ -47,7 +48,9 @@ def plan(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, pins: Map
     if topology.chips < 1:
         raise PlanError(f"{topology.name} has no fixed device count to plan for; name a topology")
     params = _parameters(spec)
-    scored = [score(choice) for choice in choices(spec, params, topology, seq, batch, pins, remat, microbatches)]
+    scored = without_needless_pieces([score(choice) for choice in
+                                      choices(spec, params, topology, seq, batch, pins, remat, microbatches)],
+                                     topology.usable_hbm_bytes)
     if not scored:
         raise PlanError(_nothing_enumerated(spec, topology, batch, pins))
     hbm = topology.usable_hbm_bytes
