@@ -284,12 +284,9 @@ def prepare_jax_platforms(topology_name: str | None = None) -> None:
 def request_host_devices(count: int) -> None:
     """Ask XLA for `count` virtual CPU devices (read only when jax starts), unless the user's
     XLA_FLAGS already names a count."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
-    from mxc.compiler.xla_options import request_cpu_threads
+    from mxc.runtime.cpu_devices import request_cpu_devices
 
-    request_cpu_threads(count)
+    request_cpu_devices(count)
 
 
 @contextlib.contextmanager

@@ -197,15 +197,11 @@ def prepare_cpu_devices(artifact: str, processes: int) -> None:
     topology = read_manifest(artifact).topology
     if topology.platform != "cpu" or topology.name == "local" or "jax" in sys.modules:
         return
-    from mxc.compiler.xla_options import request_cpu_threads
+    from mxc.runtime.cpu_devices import request_cpu_devices
 
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        if topology.devices % processes:
-            raise CommandError(f"{topology.devices} devices do not split over {processes} processes")
-        count = topology.devices // processes
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
-    request_cpu_threads(topology.devices // processes)
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "") and topology.devices % processes:
+        raise CommandError(f"{topology.devices} devices do not split over {processes} processes")
+    request_cpu_devices(topology.devices // processes)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 from artifact_builds import child_report
-from mxc.compiler.xla_options import CPU_THREADS_PER_DEVICE, compiler_options, request_cpu_threads
+from mxc.compiler.xla_options import compiler_options
+from mxc.runtime.cpu_devices import CPU_THREADS_PER_DEVICE, request_cpu_threads
 from mxc.spec.load import load_model
 
 

@@ -35,7 +35,7 @@ def with_image_slots(spec: ModelSpec, params: dict, tokens: jax.Array, embed: Ca
     features = vision.encode_images(spec, params, pixel_values.reshape(rows * slots, *pixel_values.shape[2:]),
                                     dtype, remat_policy)
     # The text embeddings wait for the images. Put here against a cpu-8 deadlock whose cause was
-    # XLA:CPU's thread pool (xla_options.request_cpu_threads), not this order; kept because the
+    # XLA:CPU's thread pool (runtime/cpu_devices.py), not this order; kept because the
     # multimodal plans' XLA memory figures (docs/multimodal.md) were measured with it.
     features, embedding = jax.lax.optimization_barrier((features, params["embed"]))
     x = embed({**params, "embed": embedding})
