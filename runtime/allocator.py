@@ -7,13 +7,11 @@ installed (scripts/setup.sh installs Debian's libjemalloc2 where it can), where 
 already, where the process was restarted once, or with MXC_ALLOCATOR=system.
 
 Two users: compiling (mxc.compiler.allocator: XLA's TPU code generator makes and frees millions
-of small objects) and training (`train_on_jemalloc`). A CPU train step's buffers are large (the
-llama-20m bench's float32 logits and their gradient are 262 MB each) and come back at the same
-sizes every step; glibc's malloc serves each from a fresh mmap and unmaps it on free, so the
-kernel faults in and zeroes every page again on every step: 178,000 minor faults and 0.41
-CPU-seconds of a 2.5 CPU-second step. jemalloc told never to hand freed pages back reuses them:
-no faults, and the pages stay as large as the step's peak, which the next step needs anyway;
-as huge pages, the step's user time falls by a few percent more (docs/runtime.md, "Page faults").
+of small objects) and training (`train_on_jemalloc`). A CPU train step's buffers are large and
+come back at the same sizes every step; glibc's malloc serves each from a fresh mmap and unmaps it
+on free, so the kernel faults in and zeroes every page again on every step. jemalloc told never to
+hand freed pages back reuses them, and the pages stay as large as the step's peak, which the next
+step needs anyway (measurements: docs/runtime.md, "Page faults").
 """
 
 from __future__ import annotations
