@@ -25,6 +25,9 @@ def register(subparsers) -> None:
     add_planning_arguments(parser)
     parser.add_argument("--attempts", type=int, default=3, metavar="N",
                         help="candidates to compile before giving up (default 3)")
+    parser.add_argument("--compare", type=int, default=1, metavar="K",
+                        help="compile until K candidates fit (within --attempts) and keep the fastest by its "
+                             "compiled program's estimate, not the formula's (default 1: the first that fits)")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip compiling: the analytic prediction alone decides")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -141,6 +144,8 @@ def handler(args: argparse.Namespace) -> int:
 
     if args.attempts < 1:
         raise UserError(f"--attempts must be a positive number, not {args.attempts}")
+    if args.compare < 1:
+        raise UserError(f"--compare must be a positive number, not {args.compare}")
     pins = parse_pins(args.pin)
     try:
         topology = parse(args.topology, args.slices)
@@ -157,7 +162,7 @@ def handler(args: argparse.Namespace) -> int:
         try:
             result = plan(spec, topology, seq=seq, batch=batch, pins=pins, remat=args.remat,
                           microbatches=args.microbatches, verify=not args.no_verify, attempts=args.attempts,
-                          progress=say)
+                          compare=args.compare, progress=say)
         except PlanError as err:
             raise UserError(str(err)) from None
     if args.output:

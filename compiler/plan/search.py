@@ -39,8 +39,10 @@ class PlanError(ValueError):
 
 def plan(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, pins: Mapping[str, int] | None = None,
          remat: str | None = None, microbatches: int | None = None, verify: bool = True, attempts: int = 3,
-         progress: Callable[[str], None] | None = None) -> Plan:
-    """The fastest plan XLA agrees fits; or, where none fits, the smallest one, with advice."""
+         compare: int = 1, progress: Callable[[str], None] | None = None) -> Plan:
+    """The fastest plan XLA agrees fits; or, where none fits, the smallest one, with advice. With
+    `compare` above 1, up to that many candidates that fit (within `attempts` compiles) are ranked by
+    their compiled programs' estimates instead of the formula's."""
     say = progress or (lambda message: None)
     pins = _merge_pins(spec, dict(pins or {}))
     if seq > spec.max_seq:
@@ -72,17 +74,28 @@ def plan(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, pins: Map
     verdicts: dict[Choice, Verification] = {}
     passed: dict[Choice, str] = {}  # candidates a refusal condemned, and why
     chosen = fitting[0]
+    fitted: list[Scored] = []  # compiled and fitting, in the order compiled
     if not verify:
         verdicts[chosen.choice] = Verification(status="skipped", reason="--no-verify")
     else:
+        unavailable = None
         for candidate in _to_compile(fitting, verdicts, attempts, passed):
             say(f"compiling the train step for {describe(candidate.choice)} ...")
             verdict = _verify(spec, candidate, topology)
             verdicts[candidate.choice] = verdict
             say(f"  {verdict.status}" + (f": {verdict.reason}" if verdict.reason else ""))
-            if verdict.status in ("fits", "unavailable"):
-                chosen = candidate
+            if verdict.status == "unavailable":
+                unavailable = candidate
                 break
+            if verdict.status == "fits":
+                fitted.append(candidate)
+                # Without the compiled program's estimate there is nothing better to rank by.
+                if len(fitted) >= compare or verdict.time is None:
+                    break
+        if unavailable is not None:
+            chosen = unavailable
+        elif fitted:
+            chosen = min(fitted, key=lambda c: _compiled_step_s(c, verdicts[c.choice]))
         else:
             chosen = min((c for c in fitting if c.choice in verdicts), key=rank)
     verdict = verdicts[chosen.choice]
@@ -93,11 +106,20 @@ def plan(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, pins: Map
         reasons.append(f"without XLA's verdict, plans within {UNVERIFIED_SHARE:.0%} of HBM ({gib(margin)}) come "
                        "first, to leave room for the prediction's error"
                        + ("" if chosen.memory.total <= margin else "; none was, so this one is closer to the limit"))
+    if len(fitted) > 1:
+        reasons.append("ranked by their compiled programs' estimates among the " + str(len(fitted)) + " that fit: "
+                       + ", ".join(f"{describe(c.choice)} {_compiled_step_s(c, verdicts[c.choice]):.2f} s"
+                                   for c in fitted))
     if verdict.status not in ("fits", "unavailable", "skipped"):
         reasons.append(f"XLA refused every candidate tried ({len(verdicts)}); shown: the fastest predicted. "
                        "--attempts tries more")
     return _plan_value(spec, topology, seq, batch, pins, chosen, verdict, fits_now).model_copy(
         update={"reasons": reasons, "candidates": explain.losers(chosen, fitting, scored)})
+
+
+def _compiled_step_s(candidate: Scored, verdict: Verification) -> float:
+    """The step time from the compiled program where XLA's program could be read, else the formula's."""
+    return verdict.time.step_s if verdict.time is not None else candidate.time.step_s
 
 
 def evaluate(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, mesh: Mapping[str, int],
