@@ -129,6 +129,7 @@ def test_gemma3_artifact_generates_what_the_model_generates_with_images(tmp_path
             slots.place(arrays, prompts, width)
 
 
+@pytest.mark.slow  # about 35 s under load; the in-process slot test below covers its prefill in the default suite
 def test_mllama_artifact_generates_what_the_model_generates_with_images(tmp_path):
     from test_mllama_parity import _inputs
     from test_mllama_vision import _hf_model

@@ -9,26 +9,9 @@ import sys
 import pytest
 
 from mxc.runtime import allocator
+from runtime_support import child
 
 needs_jemalloc = pytest.mark.skipif(allocator.find_jemalloc() is None, reason="jemalloc is not installed")
-
-# A child that restarts itself as training does, then runs a program whose 64 MB result comes back
-# every call (freed before the next), and reports the minor page faults of the last calls.
-_FAULTS = """
-import json, os, resource, sys
-from mxc.runtime.allocator import current, train_on_jemalloc
-train_on_jemalloc()
-import jax, jax.numpy as jnp
-step = jax.jit(lambda x: x * 2.0 + 1.0)
-x = jnp.ones((4096, 4096), jnp.float32)
-for _ in range(3):
-    step(x).block_until_ready()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(4):
-    step(x).block_until_ready()
-faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 4
-print(json.dumps({"allocator": current(), "conf": os.environ.get("MALLOC_CONF"), "faults": faults}))
-"""
 
 
 def _environment(**extra):
@@ -37,7 +20,7 @@ def _environment(**extra):
 
 
 def _faults(**env) -> dict:
-    done = subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True, timeout=120,
+    done = subprocess.run(child("allocator_faults"), capture_output=True, text=True, timeout=120,
                           env=_environment(**env))
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.splitlines()[-1])
