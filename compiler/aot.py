@@ -195,7 +195,8 @@ def train_step_function(spec: ModelSpec, plan: Plan, mesh: Mesh, optimizer: Opti
     _register_kernels(plan)
     rules = plan.rules_tuples()
     replicated = named_sharding((), mesh, rules)
-    state_shardings = train_state_shardings(spec, optimizer, mesh, rules)
+    state_shardings = train_state_shardings(spec, optimizer, mesh, rules,
+                                            moments_on_host=plan.lowering_choices().optimizer_state_on_host)
     batch = abstract_batch(plan.batch, plan.seq, image_slots(spec, images_per_row))
     # The plan's expert path (dropless, capacity, megablox) is what XLA's verdict was about.
     step = make_train_step(spec, optimizer, microbatches=plan.microbatches, remat=plan.remat,

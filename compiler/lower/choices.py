@@ -29,6 +29,11 @@ class LoweringChoices:
     # sequence, each piece's logits recomputed in the backward pass (loss.chunked_loss_sums), so
     # one piece's float32 logits exist at a time: 1/chunks of them, for a second head matmul.
     loss_chunks: int = 1
+    # AdamW's moments live in host memory (pinned_host) between steps: the train step's state
+    # takes and returns them there and brings each to HBM only for its update (train.py), so HBM
+    # holds them transiently. MaxText's optimizer_memory_host_offload; a TPU feature (the host
+    # link is charged per step, compiler/plan/cost.py).
+    optimizer_state_on_host: bool = False
     # CPU-only choices, which the plan's chip decides (Plan.lowering_choices); docs/runtime.md
     # has the measurements. Weight products' backward passes as canonical row-major matrix
     # products (weight_gradients.py): XLA:CPU otherwise copies the large gradient transposed.

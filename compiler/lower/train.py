@@ -112,7 +112,9 @@ def make_gradient_step(sums_fn: LossSumsFn, optimizer: optax.GradientTransformat
             (grads, sums), _ = jax.lax.scan(accumulate, (zero_grads, zero_sums), parts)
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
 
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params, learning_rate=rate)
+        updates, opt_state = optimizer.update(grads, moments_in(optimizer, state.opt_state), state.params,
+                                              learning_rate=rate)
+        opt_state = moments_out(optimizer, opt_state)
         params = optax.apply_updates(state.params, updates)
         if after_update is not None:
             params = after_update(params, sums)
@@ -121,6 +123,30 @@ def make_gradient_step(sums_fn: LossSumsFn, optimizer: optax.GradientTransformat
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return train_step
+
+
+def _moments_on_host() -> bool:
+    from mxc.compiler.lower.choices import lowering_choices
+
+    return lowering_choices().optimizer_state_on_host
+
+
+def moments_in(optimizer, opt_state):
+    """The optimizer state with its parameter-shaped slots (AdamW's moments) brought to device
+    memory, one array at a time, where the plan keeps them in host memory between steps
+    (LoweringChoices.optimizer_state_on_host; the step's in/out shardings place them there,
+    train_state_shardings). Each moment is its own transfer, so XLA can bring one in, update it
+    and write it back before the next: HBM holds them transiently, not all at once."""
+    if not _moments_on_host():
+        return opt_state
+    return optax.tree_map_params(optimizer, lambda m: jax.device_put(m, jax.memory.Space.Device), opt_state)
+
+
+def moments_out(optimizer, opt_state):
+    """The updated moments written back to host memory (moments_in's other half)."""
+    if not _moments_on_host():
+        return opt_state
+    return optax.tree_map_params(optimizer, lambda m: jax.device_put(m, jax.memory.Space.Host), opt_state)
 
 
 def make_eval_step(spec: ModelSpec, *, attention_impl: str = "xla", z_loss_weight: float = 0.0,
@@ -268,21 +294,24 @@ def abstract_train_state(spec: ModelSpec, config: OptimizerConfig) -> TrainState
                           jax.ShapeDtypeStruct((), jnp.int32))
 
 
-def train_state_shardings(spec: ModelSpec, config: OptimizerConfig, mesh, rules) -> TrainState:
+def train_state_shardings(spec: ModelSpec, config: OptimizerConfig, mesh, rules, *,
+                          moments_on_host: bool = False) -> TrainState:
     """NamedShardings for every leaf of the train state: the optimizer's moments are laid out
-    like the parameters they track; counters are replicated."""
+    like the parameters they track, in host memory (pinned_host) with `moments_on_host`
+    (LoweringChoices.optimizer_state_on_host); counters are replicated, on device."""
     from mxc.compiler.lower.params import param_axes
 
     abstract = abstract_train_state(spec, config)
     params = tree_shardings(param_axes(spec), mesh, rules)
     replicated = named_sharding((), mesh, rules)
+    moments = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), params) if moments_on_host else params
     found = []
 
     def map_slots():
         # optax finds the parameter slots by initialising a throwaway state; under tracing its
         # counters are tracers, not arrays computed on the host.
         found.append(optax.tree_map_params(model_optimizer(spec, config), lambda _, sharding: sharding,
-                                           abstract.opt_state, params,
+                                           abstract.opt_state, moments,
                                            transform_non_params=lambda _: replicated))
         return ()
 

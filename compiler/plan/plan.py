@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from mxc.spec.ir import LOGICAL_AXES
 
@@ -141,6 +141,15 @@ class Lowering(_Value):
     quantization: str = "fp32"  # compiler/lower/choices.py's; fp32 in plans saved before it was kept
     float32_logits_dot: bool = True  # compiler/lower/choices.py's; True in plans saved before it was kept
     loss_chunks: int = 1  # compiler/lower/choices.py's; 1 (the whole logits) in plans saved before it was kept
+    optimizer_state_on_host: bool = False  # compiler/lower/choices.py's; False in plans saved before it was kept
+
+    @model_serializer(mode="wrap")
+    def _without_default_offload(self, handler):
+        # A plan that keeps the optimizer state in HBM reads as before the choice existed.
+        data = handler(self)
+        if not self.optimizer_state_on_host:
+            data.pop("optimizer_state_on_host", None)
+        return data
 
 
 class Pipeline(_Value):
