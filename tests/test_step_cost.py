@@ -205,3 +205,67 @@ def test_host_link_follows_the_chips_pcie_generation():
     from mxc.compiler.topology import parse
 
     assert host_bandwidth(parse("v6e-256").chip) == 2 * host_bandwidth(parse("v5p-512").chip) == 64e9
+
+
+# A layer loop (4 trips) as the TPU compiler writes the dropless experts' kernels: megablox's
+# grouped matmul (`gmm`: rows [m, k] x each group's [k, n]) and its weight gradient (`tgmm`), Pallas
+# calls whose FLOPs the HLO does not show (each carries the kernel's own estimate over the whole
+# row buffer in its backend_config), a ragged all-to-all into a buffer twice its input, and an
+# async computation's done. Shapes: Mixtral's experts at a quarter of the rows.
+GROUPED_MATMULS = """HloModule grouped
+
+%cond (p: (s32[], bf16[512,128])) -> pred[] {
+  %p = (s32[], bf16[512,128]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (q: (s32[], bf16[512,128])) -> (s32[], bf16[512,128]) {
+  %q = (s32[], bf16[512,128]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%q), index=0
+  %rows = bf16[512,128]{1,0} get-tuple-element(%q), index=1
+  %tiles = s32[] constant(4)
+  %offsets = s32[5]{0} constant({0, 0, 0, 0, 0})
+  %first = s32[1]{0} constant({0})
+  %w = bf16[4,128,256]{2,1,0} constant({...})
+  %gmm.1 = bf16[512,256]{1,0:T(8,128)(2,1)} custom-call(%tiles, %offsets, %first, %rows, %w), custom_call_target="tpu_custom_call", metadata={op_name="jit(flat)/while/body/shard_map/jit(gmm)/pallas_call"}, backend_config={"custom_call_config":{"cost_estimate":{"flops":"33554432"}}}
+  %tgmm.1 = bf16[4,128,256]{2,1,0:T(8,128)(2,1)} custom-call(%tiles, %offsets, %first, %rows, %gmm.1), custom_call_target="tpu_custom_call", metadata={op_name="jit(flat)/transpose(jvp())/while/body/shard_map/jit(tgmm)/pallas_call"}, backend_config={"custom_call_config":{"cost_estimate":{"flops":"33554432"}}}
+  %half = bf16[256,128]{1,0} slice(%rows), slice={[0:256], [0:128]}
+  %sizes = s64[2]{0} constant({128, 128})
+  %sent = bf16[512,128]{1,0} ragged-all-to-all(%half, %rows, %sizes, %sizes, %sizes, %sizes), replica_groups={{0,1}}
+  %start = ((bf16[512,128]{1,0}), bf16[512,128]{1,0}, u32[]) async-start(%sent), calls=%copy_async
+  %done = bf16[512,128]{1,0} async-done(%start)
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], bf16[512,128]{1,0}) tuple(%next, %done)
+}
+
+%copy_async (c: bf16[512,128]) -> bf16[512,128] {
+  %c = bf16[512,128]{1,0} parameter(0)
+  ROOT %copied = bf16[512,128]{1,0} copy(%c)
+}
+
+ENTRY %main (x: bf16[512,128]) -> (s32[], bf16[512,128]) {
+  %x = bf16[512,128]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[512,128]{1,0}) tuple(%zero, %x)
+  ROOT %loop = (s32[], bf16[512,128]{1,0}) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_grouped_matmul_kernels_count_their_rows_flops():
+    # 2 x 512 rows x 128 x 256 per kernel over the whole row buffer: the kernel's own estimate.
+    whole = hlo_cost.program_cost(GROUPED_MATMULS, 2)
+    assert whole.loops == {"body": 4}
+    assert whole.flops == 4 * 2 * (2 * 512 * 128 * 256) == 4 * 2 * 33554432
+    # The expert-parallel dispatch's receive buffer at expert 2: half its rows hold assignments.
+    half = hlo_cost.program_cost(GROUPED_MATMULS, 2, grouped_rows=0.5)
+    assert half.flops == whole.flops / 2
+    kernel_bytes = lambda rows: (rows * (512 * 128 + 512 * 256) + 4 * 128 * 256) * 2  # noqa: E731
+    copies = 3 * 512 * 128 * 2 + 4  # the async start: its operand, its result tuple (operand, copy, u32)
+    ragged = 2 * 256 * 128 * 2  # the rows sent and as many received, not the whole output buffer
+    slice_bytes = (512 + 256) * 128 * 2
+    counter = 3 * 4  # i + 1
+    assert half.hbm_bytes == 4 * (2 * kernel_bytes(0.5) + ragged + copies + slice_bytes + counter)

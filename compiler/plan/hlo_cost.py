@@ -9,8 +9,9 @@ the loop condition's `compare(i, N)`, less the counter's start value), a fusion 
 caller's count.
 
     ops          per top-level instruction of a scheduled computation (entry, loop bodies, calls):
-                 its FLOPs (every dot and convolution inside, fusions included) and the bytes of
-                 its operands and result, the HBM traffic of that kernel
+                 its FLOPs (every dot and convolution inside, fusions included; megablox's
+                 grouped matmuls from their operands, grouped_matmul_cost) and the bytes of its
+                 operands and result, the HBM traffic of that kernel
     collectives  all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute (their
                  -start forms too; -done carries no data): the full buffer's bytes, the replica
                  groups (device positions in the program's device assignment) and whether XLA
@@ -36,7 +37,13 @@ COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "coll
 # Ops that move no data of their own (views, bookkeeping, control flow whose bodies are counted).
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call", "conditional",
          "after-all", "partition-id", "replica-id", "iota", "opt-barrier", "add-dependency", "domain",
-         "copy-done", "recv-done", "send-done"} | {f"{c}-done" for c in COLLECTIVES}
+         "copy-done", "recv-done", "send-done", "async-update", "async-done"} | {f"{c}-done" for c in COLLECTIVES}
+# (an async-update or -done of an async computation moves nothing its start has not: the start is
+# charged its operands and result once)
+
+# megablox's grouped matmuls (Pallas calls named by their jit: `.../jit(gmm)/pallas_call`, and
+# `jit(tgmm)` for the weights' gradient): opaque to the HLO, their FLOPs come from their operands.
+_GROUPED_MATMUL = re.compile(r'op_name="[^"]*jit\((t?gmm)\)/pallas_call')
 
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->\s*(.*)\{\s*$")
@@ -176,6 +183,29 @@ def instruction_flops(instruction: Instruction, computation: Computation) -> flo
     if instruction.opcode == "convolution" and instruction.shapes and len(instruction.operands) > 1:
         return _convolution_flops(instruction, computation)
     return 0.0
+
+
+def grouped_matmul_cost(instruction: Instruction, computation: Computation, rows: float) -> tuple[float, float] | None:
+    """(FLOPs, HBM bytes) of one of megablox's grouped-matmul kernels, None for any other op. The
+    kernel visits only the row tiles of its groups: of its row buffer (`gmm`: rows [m, k] times
+    the groups' weights into [m, n]; `tgmm`: rows [m, k] and gradients [m, n] into each group's
+    [k, n]) it computes and moves the fraction `rows` that holds assignments; the weights or
+    their gradient move whole. 2·m·k·n FLOPs over those rows."""
+    kind = _GROUPED_MATMUL.search(instruction.attributes)
+    if kind is None or instruction.opcode != "custom-call" or len(instruction.operands) < 2 or not instruction.shapes:
+        return None
+    lhs, rhs = (computation.shape_of(o) for o in instruction.operands[-2:])
+    out = instruction.shapes[0]
+    if not lhs or not rhs or len(lhs[0].dims) != 2:
+        return None
+    m, k = lhs[0].dims
+    if kind[1] == "gmm":  # [m, k] x [groups, k, n] -> [m, n]
+        n = out.dims[-1]
+        moved = rows * (lhs[0].bytes + out.bytes) + rhs[0].bytes
+    else:  # tgmm: [m, k]^T x [m, n] -> [groups, k, n]
+        n = rhs[0].dims[-1]
+        moved = rows * (lhs[0].bytes + rhs[0].bytes) + out.bytes
+    return 2.0 * rows * m * k * n, moved
 
 
 def _convolution_flops(instruction: Instruction, computation: Computation) -> float:
@@ -366,8 +396,9 @@ def _literal(computation: Computation, name: str) -> int | None:
     return None
 
 
-def program_cost(text: str, devices: int) -> ProgramCost:
-    """The cost of one run of the HLO module `text` on each of its `devices`."""
+def program_cost(text: str, devices: int, grouped_rows: float = 1.0) -> ProgramCost:
+    """The cost of one run of the HLO module `text` on each of its `devices`. `grouped_rows`: the
+    fraction of a grouped-matmul kernel's row buffer that holds assignments (grouped_matmul_cost)."""
     computations, entry = parse_module(text)
     cost = ProgramCost()
     fused_flops: dict[str, float] = {}
@@ -424,6 +455,12 @@ def program_cost(text: str, devices: int) -> ProgramCost:
                                        count, set())
             if opcode in _FREE:
                 continue
+            grouped = grouped_matmul_cost(instruction, computation, grouped_rows)
+            if grouped is not None:
+                cost.flops += count * grouped[0]
+                cost.hbm_bytes += count * grouped[1]
+                cost.ops.append((grouped[0], grouped[1], count))
+                continue
             flops = instruction_flops(instruction, computation) + sum(
                 flops_inside(callee) for role, callee in callees if role == "calls")
             operand_shapes = [s for o in instruction.operands for s in computation.shape_of(o)]
@@ -452,6 +489,13 @@ def _untouched_bytes(instruction: Instruction, computation: Computation, computa
         return sum(s.bytes for s in where.shape_of(name) if s.memory_space != HOST_MEMORY_SPACE)
 
     opcode = instruction.opcode
+    if opcode in ("ragged-all-to-all", "ragged-all-to-all-start") and len(instruction.operands) > 1:
+        # It reads the rows it sends and writes the rows it receives into its output buffer in
+        # place; with balanced routing as many each way: the smaller of its input and output.
+        named = sum(size(o, computation) for o in instruction.operands) + sum(
+            s.bytes for s in instruction.shapes if s.memory_space != HOST_MEMORY_SPACE)
+        rows = min(size(instruction.operands[0], computation), size(instruction.operands[1], computation))
+        return max(0.0, named - 2 * rows)
     if opcode in ("dynamic-update-slice", "dynamic-update-slice-start") and len(instruction.operands) > 1:
         # buffer in and out, less the update written
         return max(0.0, 2 * size(instruction.operands[0], computation) - size(instruction.operands[1], computation))

@@ -68,6 +68,17 @@ def program_estimate(spec: ModelSpec, plan: Plan, topology: Topology, compiled, 
     return estimate_from_text(spec, plan, topology, text, mesh)
 
 
+def grouped_rows(plan: Plan) -> float:
+    """The share of a grouped-matmul kernel's row buffer that holds assignments, for the reader
+    (hlo_cost.grouped_matmul_cost). The expert-parallel dispatch's receive buffer has room for
+    every sender's assignments, shards times a device's own (expert_dispatch.py); under balanced
+    routing a device receives as many as it sends, 1/shards of it. Elsewhere the sorted rows are
+    exactly the assignments."""
+    if plan.expert_path != "dropless":
+        return 1.0
+    return 1.0 / math.prod(plan.mesh.get(axis, 1) for axis in plan.rules.get("experts", []))
+
+
 def estimate_from_text(spec: ModelSpec, plan: Plan, topology: Topology, text: str, mesh):
     """(step time, cost terms) of a compiled train step's HLO text, its devices laid out as `mesh`."""
     from mxc.compiler.analysis import attention_flops_per_token, summarize
@@ -76,7 +87,7 @@ def estimate_from_text(spec: ModelSpec, plan: Plan, topology: Topology, text: st
     from mxc.compiler.plan.stages import reported
 
     devices = list(mesh.devices.flat)
-    program = program_cost(text, len(devices))
+    program = program_cost(text, len(devices), grouped_rows=grouped_rows(plan))
     tokens = plan.batch * plan.seq / len(devices)
     model_flops = summarize(spec, plan.seq).train_flops_per_token * tokens
     # A Pallas attention kernel is opaque to the HLO: its FLOPs as the kernel runs them, the
