@@ -31,13 +31,17 @@ _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u1
                 "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
                 "token": 0}
 HOST_MEMORY_SPACE = 5  # XLA's memory space for pinned host memory in a layout: `S(5)`
+# Memory spaces other than 0 and the host's are on the chip (`S(1)`: the TPU's vector memory,
+# where XLA's memory-space assignment prefetches operands; `S(2)`, `S(6)`: scalars, semaphores):
+# reading or writing them is no HBM traffic. The copy or slice that fills them is.
+HBM_MEMORY_SPACE = 0
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute",
                "ragged-all-to-all")
 # Ops that move no data of their own (views, bookkeeping, control flow whose bodies are counted).
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call", "conditional",
          "after-all", "partition-id", "replica-id", "iota", "opt-barrier", "add-dependency", "domain",
-         "copy-done", "recv-done", "send-done", "async-update", "async-done"} | {f"{c}-done" for c in COLLECTIVES}
+         "copy-done", "slice-done", "recv-done", "send-done", "async-update", "async-done"} | {f"{c}-done" for c in COLLECTIVES}
 # (an async-update or -done of an async computation moves nothing its start has not: the start is
 # charged its operands and result once)
 
@@ -471,7 +475,14 @@ def program_cost(text: str, devices: int, grouped_rows: float = 1.0) -> ProgramC
             # its start (a slice written into, or read from, a stacked host buffer moves the
             # slice, not the buffer; an async start and its done name the array twice).
             host = max(on_device, default=0.0) if touches_host and not opcode.endswith("-done") else 0.0
-            moved = max(0.0, sum(on_device) - host - in_place)
+            in_hbm = [s.bytes for s in operand_shapes + instruction.shapes if s.memory_space == HBM_MEMORY_SPACE]
+            moved = max(0.0, sum(in_hbm) - host - in_place)
+            if touches_host:
+                moved = max(0.0, sum(on_device) - host - in_place)
+            elif opcode in ("copy-start", "slice-start"):
+                moved = _transfer_bytes(instruction, operand_shapes)
+            elif opcode == "custom-call" and 'custom_call_target="AllocateBuffer"' in instruction.attributes:
+                moved = 0.0  # a buffer set aside, nothing written
             cost.flops += count * flops
             cost.hbm_bytes += count * moved
             cost.host_bytes += count * host
@@ -481,12 +492,48 @@ def program_cost(text: str, devices: int, grouped_rows: float = 1.0) -> ProgramC
     return cost
 
 
+def _transfer_bytes(instruction: Instruction, operand_shapes: list[Shape]) -> float:
+    """HBM bytes of an asynchronous copy or slice on the chip: the array it moves, once for each
+    end in HBM (a prefetch into vector memory reads it, an eviction writes it, a copy within HBM
+    does both). Its result names the source again: `copy-start` is (destination, source,
+    context), `slice-start` ((source), slice, context)."""
+    data = [s for s in instruction.shapes if s.dims]
+    if not data or not operand_shapes:
+        return 0.0
+    destination = data[0] if instruction.opcode == "copy-start" else data[-1]
+    ends = (operand_shapes[0].memory_space == HBM_MEMORY_SPACE) + (destination.memory_space == HBM_MEMORY_SPACE)
+    return ends * destination.bytes
+
+
+def _sliced_reads(fused: Computation, param: str, computations: dict[str, Computation]) -> float | None:
+    """Bytes a fusion reads of its parameter `param` when every use is a dynamic-slice of it,
+    directly or inside a nested fusion; None when some use reads it otherwise."""
+    users = [u for u in fused.instructions if param in u.operands]
+    if not users:
+        return None
+    read = 0.0
+    for user in users:
+        if user.opcode == "dynamic-slice" and user.operands[0] == param:
+            read += user.bytes
+            continue
+        inner = computations.get(dict(_CALLEES.findall(user.attributes)).get("calls", "")) \
+            if user.opcode == "fusion" else None
+        if inner is None or not inner.instructions:
+            return None
+        inner_reads = [_sliced_reads(inner, list(inner.params)[i], computations)
+                       for i, o in enumerate(user.operands[:len(inner.params)]) if o == param]
+        if not inner_reads or any(r is None for r in inner_reads):
+            return None
+        read += sum(inner_reads)
+    return read
+
+
 def _untouched_bytes(instruction: Instruction, computation: Computation, computations: dict[str, Computation]) -> float:
     """Bytes of operands and results a kernel names but does not move: a dynamic-update-slice
     writes its update into the buffer in place, a dynamic-slice reads only its slice (alone or
     inside a fusion: a stacked layer buffer of a scan is touched one layer at a time)."""
     def size(name: str, where: Computation) -> float:
-        return sum(s.bytes for s in where.shape_of(name) if s.memory_space != HOST_MEMORY_SPACE)
+        return sum(s.bytes for s in where.shape_of(name) if s.memory_space == HBM_MEMORY_SPACE)
 
     opcode = instruction.opcode
     if opcode in ("ragged-all-to-all", "ragged-all-to-all-start") and len(instruction.operands) > 1:
@@ -510,8 +557,9 @@ def _untouched_bytes(instruction: Instruction, computation: Computation, computa
     params = list(fused.params)
     for index, operand in enumerate(instruction.operands[:len(params)]):
         users = [u for u in fused.instructions if params[index] in u.operands]
-        if users and all(u.opcode == "dynamic-slice" and u.operands[0] == params[index] for u in users):
-            untouched += max(0.0, size(operand, computation) - sum(u.bytes for u in users))
+        sliced = _sliced_reads(fused, params[index], computations)
+        if sliced is not None:  # a stacked layer buffer read one layer at a time, maybe in a nested fusion
+            untouched += max(0.0, size(operand, computation) - sliced)
         elif users and all(u.opcode == "dynamic-update-slice" and u.operands[0] == params[index] for u in users):
             untouched += size(operand, computation)  # read in place, never whole
     root = fused.instructions[-1]
