@@ -29,9 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from mxc.compiler.lower import megablox
 from mxc.compiler.lower.choices import lowering_choices
-from mxc.compiler.lower.expert_rows import sort_assignments
+from mxc.compiler.lower.expert_rows import grouped_matmul, sort_assignments
 from mxc.compiler.lower.ffn import hidden_activation
 from mxc.compiler.lower.projection import weight
 from mxc.spec.ir import MoE
@@ -69,14 +68,6 @@ def _exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_s
     return output.at[target.reshape(-1)].set(received.reshape(-1, *operand.shape[1:]), mode="drop")
 
 
-def _grouped_matmul(rows: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    choices = lowering_choices()
-    if choices.grouped_matmul == "megablox":
-        return megablox.grouped_matmul(rows, kernel, group_sizes, jnp.zeros((), jnp.int32),
-                                       choices.interpret_kernels)
-    return jax.lax.ragged_dot(rows, kernel, group_sizes)
-
-
 def _local_ffn(moe: MoE, params: dict, rows: jax.Array, ids: jax.Array, plan: DispatchPlan) -> jax.Array:
     """rows [n, embed] with their local expert ids [n] (local_experts marks an empty slot) ->
     each row through its expert's feed-forward, empty slots zero."""
@@ -91,7 +82,7 @@ def _local_ffn(moe: MoE, params: dict, rows: jax.Array, ids: jax.Array, plan: Di
 
     def matmul(name, inputs):
         kernel = weight(params[name], dtype, mlp=True, contracting=(1,))
-        return jnp.where(valid[:, None], _grouped_matmul(inputs, kernel, group_sizes), 0)
+        return jnp.where(valid[:, None], grouped_matmul(inputs, kernel, group_sizes), 0)
 
     def project(name, inputs):
         y = matmul(name, inputs)

@@ -1,6 +1,6 @@
-"""Dropless experts over sorted assignments: the sort the one-device path (moe.py) and the
-expert-parallel dispatch (expert_dispatch.py) share, and the one-device path's feed-forward
-over the sorted rows, given its grouped matmul."""
+"""Dropless experts over sorted assignments: the sort and the grouped matmul the one-device path
+(moe.py) and the expert-parallel dispatch (expert_dispatch.py) share, and the one-device path's
+feed-forward over the sorted rows."""
 
 from __future__ import annotations
 
@@ -10,8 +10,21 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from mxc.compiler.lower import megablox
+from mxc.compiler.lower.choices import lowering_choices
 from mxc.compiler.lower.ffn import hidden_activation
 from mxc.spec.ir import MoE
+
+
+def grouped_matmul(rows: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """rows [m, k] sorted by group times each group's kernel [groups, k, n], as the lowering
+    choices say: megablox's kernel (on TPU, where XLA runs ragged_dot as a masked matmul over
+    every group) or jax.lax.ragged_dot. Rows past the groups come back as zeros."""
+    choices = lowering_choices()
+    if choices.grouped_matmul == "megablox":
+        return megablox.grouped_matmul(rows, kernel, group_sizes, jnp.zeros((), jnp.int32),
+                                       choices.interpret_kernels)
+    return jax.lax.ragged_dot(rows, kernel, group_sizes)
 
 
 class SortedAssignments(NamedTuple):

@@ -17,7 +17,7 @@ token is dropped (MoEConfig.path, a choice of the plan):
             wherever their rules split the experts. There each device sends its tokens to the
             devices that hold their experts (expert_dispatch.py: ragged all-to-alls, megablox's
             kernel on TPU); elsewhere each batch shard sorts its own tokens for
-            jax.lax.ragged_dot (see moe_layer).
+            the same grouped matmul (megablox on TPU, jax.lax.ragged_dot elsewhere; see moe_layer).
   capacity  GShard/Switch dense dispatch: within each sequence every expert takes at most
             `capacity` assignments (first choices before second choices, earlier tokens first),
             gathered and scattered with one-hot einsums. Static shapes, partitioned by XLA like
@@ -32,6 +32,7 @@ for DeepSeek V3's bias update (`update_correction_biases`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Literal, NamedTuple
 
@@ -43,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, NonNegativeFloat, PositiveFloat
 
 from mxc.compiler.lower.choices import lowering_choices, use_lowering
 from mxc.compiler.lower.expert_dispatch import DispatchPlan, dispatch_experts
-from mxc.compiler.lower.expert_rows import expert_ffn, sort_assignments
+from mxc.compiler.lower.expert_rows import expert_ffn, grouped_matmul, sort_assignments
 from mxc.compiler.lower.ffn import ffn_layer, hidden_activation
 from mxc.compiler.lower.params import moe_defs, shared_expert_ffn
 from mxc.compiler.lower.projection import project as project_kernel, weight as kernel_weight
@@ -169,8 +170,8 @@ def _dropless_rows(moe: MoE, params: dict, x: jax.Array, experts: jax.Array, wei
     sorted_rows = sort_assignments(moe, x, experts, weights)
 
     def project(name, inputs):
-        y = jax.lax.ragged_dot(inputs, kernel_weight(params[name], dtype, mlp=True, contracting=(1,)),
-                               sorted_rows.group_sizes)
+        y = grouped_matmul(inputs, kernel_weight(params[name], dtype, mlp=True, contracting=(1,)),
+                           sorted_rows.group_sizes)
         if "bias" in params[name]:
             y = y + params[name]["bias"].astype(dtype)[sorted_rows.experts]
         return y
@@ -284,6 +285,16 @@ def moe_layer(moe: MoE, params: dict, x: jax.Array, config: MoEConfig = MoEConfi
         # Inside, the active mesh is abstract (no devices to read the platform from): the body
         # keeps the lowering choices of the concrete mesh outside.
         choices = lowering_choices()
+        manual = frozenset(names)
+        if config.path == "dropless" and choices.grouped_matmul == "megablox":
+            # A Pallas kernel is not partitioned by XLA: megablox needs a region manual over every
+            # mesh axis, which the batch's axes are when the others have one device. Otherwise
+            # the rows go through ragged_dot (on TPU a masked matmul over every expert: plans
+            # take this path only on such meshes, compiler/plan/candidates.py).
+            if all(mesh.shape[a] == 1 for a in mesh.axis_names if a not in names):
+                manual, inner_rules = frozenset(mesh.axis_names), {}
+            else:
+                choices = dataclasses.replace(choices, grouped_matmul="ragged_dot")
 
         def per_shard(p, x):
             # Constraints inside name the mesh as shard_map sees it, its batch axes manual.
@@ -293,7 +304,7 @@ def moe_layer(moe: MoE, params: dict, x: jax.Array, config: MoEConfig = MoEConfi
         # check_vma off: with it, the gradient of this region inside the scanned layers crashes
         # XLA:CPU's compiler (jax 0.10.2: "Invalid binary instruction opcode copy").
         y, stats = jax.shard_map(per_shard, mesh=mesh, in_specs=(PartitionSpec(), spec),
-                                 out_specs=(spec, PartitionSpec()), axis_names=frozenset(names),
+                                 out_specs=(spec, PartitionSpec()), axis_names=manual,
                                  check_vma=False)(routed_params, x)
     if moe.shared_experts:
         y = y + ffn_layer(shared_expert_ffn(moe), params["shared"], x)

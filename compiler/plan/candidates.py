@@ -18,8 +18,9 @@ from mxc.compiler.plan.stages import adjust_time, stage_counts, stage_policy, wi
 from mxc.compiler.topology import Topology
 from mxc.spec.ir import ModelSpec
 
-# MoE layers train dropless wherever the mesh splits the experts: each device sends its tokens to
-# their experts' devices (mxc.compiler.lower.expert_dispatch). The capacity path, with MaxText's
+# MoE layers train dropless wherever the mesh splits the experts (each device sends its tokens to
+# their experts' devices, mxc.compiler.lower.expert_dispatch) or every device splits the batch
+# (each sorts its own tokens for the grouped matmul). The capacity path, with MaxText's
 # dropping recipes' factor, is the fallback the search takes only where no dropless candidate
 # fits (and what a recipe's --maxtext capacity_factor asks for).
 CAPACITY_FACTOR = 1.25
@@ -181,7 +182,14 @@ def expert_settings(choice: Choice) -> list[tuple[str | None, float | None]]:
         return [(None, None)]
     # Not with pipeline stages: the dispatch's shard_map inside the stages' vmap is not tested.
     expert_parallel = choice.split("experts") > 1 and choice.mesh.get("stage", 1) == 1
-    return ([("dropless", None)] if expert_parallel else []) + [("capacity", CAPACITY_FACTOR)]
+    # Unsplit experts: each batch shard sorts its own tokens for the grouped matmul, which on TPU
+    # (megablox, a Pallas kernel) needs a region manual over every mesh axis: only meshes whose
+    # devices all split the batch (mxc.compiler.lower.moe.moe_layer).
+    batch_axes = set(choice.rules.get("batch", ()))
+    per_batch_shard = choice.split("experts") == 1 and all(
+        size == 1 for axis, size in choice.mesh.items() if axis not in batch_axes)
+    dropless = expert_parallel or per_batch_shard
+    return ([("dropless", None)] if dropless else []) + [("capacity", CAPACITY_FACTOR)]
 
 
 def on_capacity_path(item: Scored) -> bool:
