@@ -129,7 +129,7 @@ _WARMED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def warm_up(servable: Servable, params, sampling: Sampling = Sampling(), seed: int = 0) -> None:
-    """Run the prefill and one decode step once on a dummy prompt, as a server warms up before
+    """Run the prefill and two decode steps once on a dummy prompt, as a server warms up before
     it takes requests: an executable's first run in a process pays for setting up XLA:CPU's
     threads and buffers (a 128-token prefill of a 20M model: 45-70 ms of CPU against 20-25 ms
     warm, docs/runtime.md), which would otherwise land in the first request's time to first token.
@@ -142,10 +142,27 @@ def warm_up(servable: Servable, params, sampling: Sampling = Sampling(), seed: i
         lengths = np.ones(servable.batch, np.int32)
         first, cache = servable.prefill(params, tokens, lengths, *servable.without_images())
         after, cache = servable.decode(params, np.zeros(servable.batch, np.int32), cache)
+        # Later steps take the sampler's tokens still on the device (`_step_ahead`): a jitted
+        # decode compiles for their sharding here, not inside the first request.
+        chosen = next_tokens(after, seed, np.arange(servable.batch), np.zeros(servable.batch, np.int32),
+                             sampling=sampling)
+        _, cache = servable.decode(params, chosen, cache)
         jax.block_until_ready((first, after, cache))
         logits = _WARMED[servable.prefill] = (first, after)
     for step_logits in logits:
         warm(step_logits, sampling, seed)
+
+
+def _step_ahead(servable: Servable, params, chosen: jax.Array, cache, fed, length, made_after, max_new: int):
+    """The next decode step, dispatched with the tokens just drawn while they are still on the
+    device, where they are exactly what every row feeds next (no row still feeding its prompt, one
+    row at least not finished): the host's work between steps (fetching the tokens, placing the
+    next call's arguments) then overlaps the step running instead of leaving the cores idle
+    (docs/runtime.md, "The decode loop on the host"). None where the next feed needs the host. A
+    group stopped early by its caller has run one step more than it uses; nothing reads it."""
+    if not chosen.is_fully_addressable or (fed < length).any() or (made_after >= max_new).all():
+        return None
+    return servable.decode(params, chosen, cache)
 
 
 # on_tokens(requests, tokens) -> stop: called with the requests that got a new token at this step
@@ -191,7 +208,9 @@ def generate(servable: Servable, params, prompts: np.ndarray, max_new: int, *,
         while True:
             # A row whose whole prompt is in the cache takes its next token from these logits.
             ready = (fed == length) & (made < max_new)
-            token = _host(next_tokens(logits, seed, rows, np.minimum(made, max_new - 1), sampling=sampling))
+            chosen = next_tokens(logits, seed, rows, np.minimum(made, max_new - 1), sampling=sampling)
+            ahead = _step_ahead(servable, params, chosen, cache, fed, length, made + ready, max_new)
+            token = _host(chosen)
             new[ready, made[ready]] = token[ready]
             made += ready
             if first_at is None and made.all():
@@ -204,6 +223,9 @@ def generate(servable: Servable, params, prompts: np.ndarray, max_new: int, *,
                     first_at = time.perf_counter()
                     first_token_times.append(first_at - group_started)
                 break
+            if ahead is not None:
+                logits, cache = ahead
+                continue
             feeding = fed < length
             feed = np.where(feeding, padded[rows, np.minimum(fed, padded.shape[1] - 1)],
                             new[np.arange(servable.batch), np.maximum(made - 1, 0)])

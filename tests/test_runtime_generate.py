@@ -198,6 +198,31 @@ def test_the_first_request_is_timed_after_the_functions_ran_once():
     tokens, report = generate(servable, None, np.array([[1, 2, 3]], np.int32), 3)
     assert tokens[0, 3:].tolist() == _toy_reference([1, 2, 3], 3)
     assert report.time_to_first_token_s < 0.25
-    assert calls == {"prefill": 2, "decode": 3}  # the warm-up's prefill and decode, then the request's
+    # The warm-up's prefill and two decode steps (one fed from the host, one from the device), then
+    # the request's.
+    assert calls == {"prefill": 2, "decode": 4}
     generate(servable, None, np.array([[4]], np.int32), 2)
-    assert calls == {"prefill": 3, "decode": 4}  # warmed once
+    assert calls == {"prefill": 3, "decode": 5}  # warmed once
+
+
+def test_the_next_step_starts_before_the_tokens_reach_the_host(monkeypatch):
+    """Where every row goes on from the token just drawn, the next decode step is dispatched with
+    it still on the device, and only then is it fetched; a step fed from the host (the last token
+    needs none) is not. The tokens stay those of the reference."""
+    import mxc.runtime.generate as driver
+
+    toy = _toy_servable()
+    events = []
+
+    def decode(params, tokens, cache):
+        events.append("decode on device" if isinstance(tokens, jax.Array) else "decode from host")
+        return toy.decode(params, tokens, cache)
+
+    fetch = driver._host
+    monkeypatch.setattr(driver, "_host", lambda tokens: (events.append("fetch"), fetch(tokens))[1])
+    servable = dataclasses.replace(toy, decode=decode)
+    generate(servable, None, np.array([[1, 2]], np.int32), 1)  # the warm-up, then one token: no step
+    events.clear()
+    tokens, _ = generate(servable, None, np.array([[1, 2, 3]], np.int32), 4)
+    assert tokens[0, 3:].tolist() == _toy_reference([1, 2, 3], 4)
+    assert events == ["decode on device", "fetch"] * 3 + ["fetch"]
