@@ -336,7 +336,8 @@ def _leaves(paths_and_values, shardings, donated_args=()) -> list[Leaf]:
         entries = [_path_entry(k) for k in path]
         leaves.append(Leaf(path=entries, shape=list(value.shape), dtype=jnp.dtype(value.dtype).name,
                            sharding=_spec_entries(sharding, len(value.shape)),
-                           donated=bool(entries) and entries[0] in donated_args))
+                           donated=bool(entries) and entries[0] in donated_args,
+                           memory_kind="pinned_host" if sharding.memory_kind == "pinned_host" else "device"))
     return leaves
 
 

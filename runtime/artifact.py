@@ -22,7 +22,8 @@ import hashlib
 import json
 from typing import Annotated, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt,
+                      model_serializer)
 
 from mxc.runtime.file_names import plain_name
 
@@ -52,6 +53,17 @@ class Leaf(_Record):
     dtype: str
     sharding: list[ShardingEntry]  # a PartitionSpec over `topology.mesh`, one entry per dimension
     donated: bool = False  # inputs only: the function consumes this buffer
+    # Where the array lives between calls: "pinned_host" for a plan's optimizer state kept in host
+    # memory (the executable takes and returns it there). Left out of the manifest for "device",
+    # so manifests without host-memory leaves read as before.
+    memory_kind: Literal["device", "pinned_host"] = "device"
+
+    @model_serializer(mode="wrap")
+    def _without_device_kind(self, handler):
+        data = handler(self)
+        if self.memory_kind == "device":
+            data.pop("memory_kind", None)
+        return data
 
     @property
     def name(self) -> str:

@@ -28,7 +28,9 @@ def _bits(x: jax.Array) -> jax.Array:
 
 
 def _checksum(x: jax.Array) -> jax.Array:
-    bits = _bits(x)
+    # An array kept in host memory (a plan's optimizer state) is summed in device memory; for
+    # arrays already there this moves nothing.
+    bits = _bits(jax.device_put(x, jax.memory.Space.Device))
     index = jnp.zeros(bits.shape, jnp.uint32)
     for axis, size in enumerate(bits.shape):
         index = index * jnp.uint32(size) + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis)

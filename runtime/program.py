@@ -62,7 +62,10 @@ def partition_spec(entries) -> PartitionSpec:
 
 
 def leaf_sharding(mesh: Mesh, leaf: Leaf) -> NamedSharding:
-    return NamedSharding(mesh, partition_spec(leaf.sharding))
+    """The leaf's sharding, in the memory the executable takes it in (host memory for a plan's
+    optimizer state kept there)."""
+    sharding = NamedSharding(mesh, partition_spec(leaf.sharding))
+    return sharding if leaf.memory_kind == "device" else sharding.with_memory_kind(leaf.memory_kind)
 
 
 class BoundFunction:

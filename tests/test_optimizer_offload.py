@@ -84,3 +84,44 @@ def test_the_compiled_step_keeps_the_moments_in_host_memory(runs):
     assert entry.count("S(5)") == 2 * 2 * params
     assert "S(5)" not in plain.as_text().split("entry_computation_layout={", 1)[1].split("}\n", 1)[0]
     assert all(leaf.sharding.memory_kind == "device" for leaf in jax.tree.leaves(plain_state.opt_state))
+
+
+@pytest.mark.slow
+def test_checkpoints_restore_across_the_two_placements(tmp_path):
+    """An artifact whose plan keeps the moments on host trains (the runtime places them in host
+    memory), and a checkpoint written by either artifact resumes in the other: the train state
+    is the same arrays wherever the plan keeps them. Two cpu-1 compiles: minutes under load."""
+    import json
+    import re
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from artifact_builds import run_mxc
+
+    def ok(*args):
+        done = run_mxc(tmp_path, *args)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout + done.stderr
+
+    ok("tokenize", str(Path(__file__).parents[1] / "README.md"), "-o", str(tmp_path / "tokens.bin"))
+    ok("plan", "llama3-tiny", "--topology", "cpu-1", "--seq", "32", "--batch", "4", "--no-verify",
+       "-o", str(tmp_path / "plain.json"))
+    plan = json.loads((tmp_path / "plain.json").read_text())
+    plan["lowering"]["optimizer_state_on_host"] = True
+    (tmp_path / "host.json").write_text(json.dumps(plan))
+    for name in ("plain", "host"):
+        ok("compile", "llama3-tiny", "--topology", "cpu-1", "--plan", str(tmp_path / f"{name}.json"),
+           "-o", str(tmp_path / name))
+    manifest = (tmp_path / "host" / "manifest.json").read_text()
+    assert manifest.count('"pinned_host"') == 3 * 24  # the moments: init's outputs, the train step's in and out
+    assert "pinned_host" not in (tmp_path / "plain" / "manifest.json").read_text()
+
+    def run(artifact, steps, ckpt):
+        out = ok("run", str(tmp_path / artifact), "--data", str(tmp_path / "tokens.bin"), "--steps", str(steps),
+                 "--ckpt-dir", str(tmp_path / ckpt))
+        return float(re.search(r"done: step \d+, loss ([\d.]+)", out).group(1))
+
+    run("host", 3, "written_on_host")
+    run("plain", 3, "written_on_device")
+    assert run("plain", 5, "written_on_host") == run("host", 5, "written_on_device")

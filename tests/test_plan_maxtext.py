@@ -123,11 +123,41 @@ def test_keys_that_do_not_change_the_program_are_listed_as_ignored():
 
 def test_a_key_that_would_change_the_program_is_refused():
     with pytest.raises(MaxTextError, match="not a MaxText setting mxc knows"):
-        _setting("llama3.1-8b", "v6e-256", [*LLAMA_8B_RECIPE, "num_vocab_tiling=4"])
+        _setting("llama3.1-8b", "v6e-256", [*LLAMA_8B_RECIPE, "mu_dtype=bfloat16"])
     with pytest.raises(MaxTextError, match="scan_layers=True only"):
         _setting("llama3.1-8b", "v6e-256", [*LLAMA_8B_RECIPE, "scan_layers=false"])
     with pytest.raises(MaxTextError, match="dtype=bfloat16 only"):
         _setting("llama3.1-8b", "v6e-256", [*LLAMA_8B_RECIPE, "dtype=float32"])
+
+
+def test_vocab_tiling_and_optimizer_offload_map_to_the_loss_in_pieces_and_the_state_on_host(capsys):
+    # MaxText's num_vocab_tiling is mxc's loss over pieces of the sequence; its
+    # optimizer_memory_host_offload keeps AdamW's moments in host memory. Both reach the plan's
+    # lowering (what `mxc compile --plan` builds), its memory prediction and its text.
+    s = _setting("llama3.1-8b", "v6e-256", [*LLAMA_8B_RECIPE, "num_vocab_tiling=16",
+                                           "optimizer_memory_host_offload=true"])
+    assert s.loss_chunks == 16 and s.optimizer_state_on_host
+    plain = _setting("llama3.1-8b", "v6e-256", LLAMA_8B_RECIPE)
+    assert plain.loss_chunks == 1 and not plain.optimizer_state_on_host
+    args = ["plan", "llama3.1-8b", "--topology", "v6e-256", "--no-verify"]
+    recipe = [a for pair in LLAMA_8B_RECIPE for a in ("--maxtext", pair)]
+    main([*args, "--json", *recipe])
+    before = json.loads(capsys.readouterr().out)
+    main([*args, "--json", *recipe, "--maxtext", "num_vocab_tiling=16", "--maxtext", "optimizer_memory_host_offload=true"])
+    after = json.loads(capsys.readouterr().out)
+    assert before["lowering"]["loss_chunks"] == 1 and "optimizer_state_on_host" not in before["lowering"]
+    assert after["lowering"]["loss_chunks"] == 16 and after["lowering"]["optimizer_state_on_host"] is True
+    # The moments go to host memory, and XLA still keeps them in HBM through the step (memory.py's
+    # MOMENTS_IN_HBM_WHEN_ON_HOST): counted in both.
+    moments = before["predicted"]["optimizer_state"]
+    assert moments > 0 and after["predicted"]["optimizer_state"] == moments
+    assert after["predicted"]["host"] == before["predicted"]["host"] + moments
+    assert after["time"]["communication"]["optimizer state over the host link"] > 0
+    assert after["time"]["step_s"] > before["time"]["step_s"]
+    main([*args, "--explain", *recipe, "--maxtext", "num_vocab_tiling=16", "--maxtext", "optimizer_memory_host_offload=true"])
+    text = capsys.readouterr().out
+    assert "loss          in 16 pieces" in text and "optimizer     AdamW's moments in host memory" in text
+    assert "num_vocab_tiling 16" in text and "optimizer_memory_host_offload true" in text
 
 
 def test_command_prints_the_same_json_as_an_automatic_plan_with_time_fields(capsys):
@@ -149,9 +179,13 @@ def test_command_prints_the_same_json_as_an_automatic_plan_with_time_fields(caps
 def test_command_errors_are_one_line(capsys):
     base = ["plan", "llama3.1-8b", "--topology", "v6e-256", "--no-verify"]
     assert main([*base, "--maxtext", "per_device_batch_size=4", "--maxtext", "max_target_length=8192",
-                 "--maxtext", "num_vocab_tiling=4"]) != 0
+                 "--maxtext", "mu_dtype=bfloat16"]) != 0
     err = capsys.readouterr().err
-    assert err.startswith("mxc: error: --maxtext num_vocab_tiling") and "Traceback" not in err
+    assert err.startswith("mxc: error: --maxtext mu_dtype") and "Traceback" not in err
+    assert main([*base, "--maxtext", "per_device_batch_size=4", "--maxtext", "max_target_length=8192",
+                 "--maxtext", "num_vocab_tiling=3"]) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("mxc: error: --maxtext num_vocab_tiling=3") and "Traceback" not in err
     assert main([*base, "--maxtext", "per_device_batch_size=4", "--pin", "tensor=4", "--seq", "8192"]) != 0
     assert "cannot be combined" in capsys.readouterr().err
 

@@ -112,8 +112,8 @@ def make_gradient_step(sums_fn: LossSumsFn, optimizer: optax.GradientTransformat
             (grads, sums), _ = jax.lax.scan(accumulate, (zero_grads, zero_sums), parts)
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
 
-        updates, opt_state = optimizer.update(grads, moments_in(optimizer, state.opt_state), state.params,
-                                              learning_rate=rate)
+        opt_state = moments_in(optimizer, state.opt_state)
+        updates, opt_state = optimizer.update(grads, opt_state, state.params, learning_rate=rate)
         opt_state = moments_out(optimizer, opt_state)
         params = optax.apply_updates(state.params, updates)
         if after_update is not None:
@@ -135,8 +135,8 @@ def moments_in(optimizer, opt_state):
     """The optimizer state with its parameter-shaped slots (AdamW's moments) brought to device
     memory, one array at a time, where the plan keeps them in host memory between steps
     (LoweringChoices.optimizer_state_on_host; the step's in/out shardings place them there,
-    train_state_shardings). Each moment is its own transfer, so XLA can bring one in, update it
-    and write it back before the next: HBM holds them transiently, not all at once."""
+    train_state_shardings). XLA's TPU scheduler starts these copies at the top of the step, so
+    HBM still holds the moments through it (docs/plans.md, "Optimizer state on host")."""
     if not _moments_on_host():
         return opt_state
     return optax.tree_map_params(optimizer, lambda m: jax.device_put(m, jax.memory.Space.Device), opt_state)

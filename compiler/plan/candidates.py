@@ -166,6 +166,22 @@ def without_needless_pieces(scored: list[Scored], hbm: int) -> list[Scored]:
     return [s for s in scored if s.choice.loss_chunks == 1 or twin(s.choice) not in whole_fits]
 
 
+def with_optimizer_on_host(scored: list[Scored], hbm: int) -> list[Scored]:
+    """The candidates, and for each predicted not to fit in HBM its twin with AdamW's moments in
+    host memory (Choice.optimizer_on_host) where that saving would make it fit, on TPUs whose
+    hosts' memory mxc knows: the lever pays the moments' trip over the host link every step, so it
+    is for plans the state keeps out of HBM (MaxText's optimizer_memory_host_offload; the host
+    budget is checked as for offloaded activations, memory.host_budget). While XLA keeps the
+    moments in HBM through the step (memory.MOMENTS_IN_HBM_WHEN_ON_HOST 1.0) it saves nothing,
+    and no twin is made."""
+    def worth_a_twin(s: Scored) -> bool:  # over HBM, and within it with the moments' saving
+        saved = (1 - memory.MOMENTS_IN_HBM_WHEN_ON_HOST) * s.memory.optimizer_state
+        return (s.memory.total > hbm >= s.memory.total - saved and not s.choice.optimizer_on_host
+                and s.choice.topology.platform == "tpu" and s.choice.topology.chip.name in memory.HOST_MEMORY_PER_CHIP)
+
+    return scored + [score(replace(s.choice, optimizer_on_host=True)) for s in scored if worth_a_twin(s)]
+
+
 def sequence_parallel_applies(mesh: Mapping[str, int], seq: int, pinned_rules: Mapping) -> bool:
     """Whether splitting the residual stream's sequence over tensor is a distinct candidate: there
     is a tensor axis, the sequence divides over it and context, and the spec does not pin it."""
@@ -212,13 +228,14 @@ def rank(item: Scored) -> tuple:
     # Fastest first; at equal speed fewer microbatches, no memory lever (offloading, sequence
     # parallelism), then less memory.
     return (round(item.time.step_s, 6), item.choice.microbatches, needs_host_memory(item.choice.remat),
-            sequence_parallel(item.choice.rules), item.memory.total)
+            sequence_parallel(item.choice.rules), item.choice.optimizer_on_host, item.memory.total)
 
 
 def uses_memory_lever(item: Scored) -> bool:
     from mxc.compiler.lower.remat import needs_host_memory
 
-    return needs_host_memory(item.choice.remat) or sequence_parallel(item.choice.rules)
+    return (needs_host_memory(item.choice.remat) or sequence_parallel(item.choice.rules)
+            or item.choice.optimizer_on_host)
 
 
 def fastest_fitting(spec: ModelSpec, params: Parameters, topology: Topology, seq: int, batch: int,
@@ -237,8 +254,9 @@ def describe(choice: Choice) -> str:
     mesh = ", ".join(f"{a} {choice.mesh[a]}" for a in MESH_AXES if choice.mesh.get(a, 1) > 1) or "one device"
     layout = " (sequence-parallel)" if sequence_parallel(choice.rules) else ""
     loss = f"; loss in {choice.loss_chunks} pieces" if choice.loss_chunks > 1 else ""
+    moments = "; optimizer state on host" if choice.optimizer_on_host else ""
     return (f"{mesh}{layout}; remat {choice.remat}; "
-            f"{choice.microbatches} microbatch{'es' if choice.microbatches > 1 else ''}{loss}")
+            f"{choice.microbatches} microbatch{'es' if choice.microbatches > 1 else ''}{loss}{moments}")
 
 
 def mesh_text(choice: Choice) -> str:

@@ -42,10 +42,13 @@ class Choice:
     capacity_factor: float | None = None
     # The output head and loss over this many pieces of the sequence (LoweringChoices.loss_chunks)
     loss_chunks: int = 1
+    # AdamW's moments in host memory between steps (LoweringChoices.optimizer_state_on_host)
+    optimizer_on_host: bool = False
 
     def __hash__(self):
         return hash((self.spec.name, tuple(sorted(self.mesh.items())), tuple(sorted(self.dcn.items())),
-                     self.seq, self.batch, self.microbatches, self.remat, self.attention, self.loss_chunks))
+                     self.seq, self.batch, self.microbatches, self.remat, self.attention, self.loss_chunks,
+                     self.optimizer_on_host))
 
     @property
     def param_bytes(self) -> int:

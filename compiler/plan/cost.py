@@ -28,7 +28,7 @@ from mxc.compiler.analysis import attention_flops_per_token, summarize
 from mxc.compiler.kinds import kind_of
 from mxc.compiler.plan.activations import RECOMPUTED, layer_bytes, layer_working_bytes
 from mxc.compiler.plan.choice import Choice, layer_counts
-from mxc.compiler.plan.memory import logits_bytes, parameter_bytes
+from mxc.compiler.plan.memory import logits_bytes, optimizer_state_bytes, parameter_bytes
 from mxc.compiler.plan.plan import StepTime
 from mxc.spec.ir import MoE
 
@@ -214,6 +214,16 @@ def host_seconds(choice: Choice) -> float:
     return 2 * host * choice.microbatches / host_bandwidth(choice.topology.chip)
 
 
+def optimizer_host_seconds(choice: Choice) -> float:
+    """With AdamW's moments in host memory (Choice.optimizer_on_host), the update brings both in
+    and writes them back every step, over the host link: the two directions run at once, one
+    array's copy out behind the next one's copy in. Nothing else runs then (the update needs the
+    whole gradient for its clipping norm), so the copies are on the critical path."""
+    if not choice.optimizer_on_host:
+        return 0.0
+    return optimizer_state_bytes(choice) / host_bandwidth(choice.topology.chip)
+
+
 def step_time(choice: Choice, constants=None) -> StepTime:
     """The formula estimate: the search's fast pre-filter, under the same calibrated constants as
     the compiled program's estimate (mxc.compiler.plan.calibration)."""
@@ -230,6 +240,9 @@ def step_time(choice: Choice, constants=None) -> StepTime:
     offload = host_seconds(choice)
     if offload:
         comm["host offload"] = offload
+    moments = optimizer_host_seconds(choice)
+    if moments:
+        comm["optimizer state over the host link"] = moments  # not overlapped: not named host*
     # Host copies run behind the layers' compute; every collective waits for its result: in each
     # train step XLA compiled for the published rows (docs/plans.md, "Calibration") the FSDP
     # all-gathers and reduce-scatters are synchronous, so each microbatch pays for them again.

@@ -71,6 +71,7 @@ class Verdicts:
             "remat": (lambda c: c.remat, lambda c: c.remat),
             "microbatches": (lambda c: c.microbatches, lambda c: str(c.microbatches)),
             "loss": (lambda c: c.loss_chunks, _loss_text),
+            "optimizer state": (lambda c: c.optimizer_on_host, _optimizer_text),
         }
         for knob, (key, text) in knobs.items():
             others = [s for s in scored if key(s.choice) != key(choice)
@@ -90,3 +91,8 @@ class Verdicts:
 def _loss_text(choice) -> str:
     return (f"in {choice.loss_chunks} pieces of the sequence (each piece's logits recomputed in the backward)"
             if choice.loss_chunks > 1 else "over the whole float32 logits")
+
+
+def _optimizer_text(choice) -> str:
+    return ("in host memory between steps (its update's copies over the host link every step)"
+            if choice.optimizer_on_host else "in HBM")

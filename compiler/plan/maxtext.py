@@ -60,7 +60,8 @@ SAME_AS_MXC = {"scan_layers": True, "dtype": "bfloat16", "weight_dtype": "float3
 MOE_KEYS = ("capacity_factor", "megablox", "sparse_matmul")
 PIPELINE_KEYS = ("num_pipeline_microbatches", "num_layers_per_pipeline_stage", "pipeline_parallel_layers")
 USED = ("per_device_batch_size", "remat_policy", "max_target_length", "gradient_accumulation_steps",
-        "attention", "logits_dot_in_fp32", *PIPELINE_KEYS, *MOE_KEYS)
+        "attention", "logits_dot_in_fp32", "num_vocab_tiling", "optimizer_memory_host_offload",
+        *PIPELINE_KEYS, *MOE_KEYS)
 
 
 class MaxTextError(ValueError):
@@ -82,6 +83,8 @@ class Setting:
     notes: list[str] = field(default_factory=list)  # how keys were used, in order
     ignored: list[str] = field(default_factory=list)  # keys that do not change the program
     float32_logits_dot: bool = False  # MaxText's logits_dot_in_fp32 (its default: the head in bf16)
+    loss_chunks: int = 1  # MaxText's num_vocab_tiling: the loss over this many pieces
+    optimizer_state_on_host: bool = False  # MaxText's optimizer_memory_host_offload
 
 
 def parse_pairs(pairs: list[str]) -> dict[str, object]:
@@ -168,8 +171,39 @@ def setting(params: dict[str, object], spec, topology, *, seq: int | None = None
     attention = _attention(params, topology, seq, mesh, notes, ignored)
     experts = _experts(params, moe, topology, notes, ignored)
     float32_logits_dot = _logits_dot(params, notes)
+    loss_chunks = _vocab_tiling(params, seq, mesh, notes)
+    on_host = _optimizer_offload(params, notes)
     return Setting(seq, batch, mesh, dcn, remat, microbatches, attention, experts, notes, sorted(ignored),
-                   float32_logits_dot)
+                   float32_logits_dot, loss_chunks, on_host)
+
+
+def _vocab_tiling(params, seq: int, mesh, notes: list[str]) -> int:
+    """MaxText's num_vocab_tiling: the output head and loss over that many tiles of the tokens,
+    each tile's logits recomputed in the backward pass; mxc's twin is the loss over pieces of the
+    sequence (LoweringChoices.loss_chunks), which needs the device's piece of the sequence to
+    split evenly (MaxText tiles batch x sequence)."""
+    tiles = _positive_int(params, "num_vocab_tiling", 1)
+    if tiles == 1:
+        return 1
+    local_seq = seq // mesh["context"]
+    if local_seq % tiles:
+        raise MaxTextError(f"--maxtext num_vocab_tiling={tiles}: mxc runs the loss over pieces of each device's "
+                           f"{local_seq} tokens of the sequence, which {tiles} pieces do not divide")
+    notes.append(f"num_vocab_tiling {tiles}: the output head and loss over {tiles} pieces of the sequence, "
+                 "each piece's logits recomputed in the backward pass (mxc's loss_chunks)")
+    return tiles
+
+
+def _optimizer_offload(params, notes: list[str]) -> bool:
+    """MaxText's optimizer_memory_host_offload: AdamW's moments kept in host memory between steps
+    (MaxText moves the whole optimizer state; mxc its moments, the counters being scalars)."""
+    value = params.get("optimizer_memory_host_offload", False)
+    if not isinstance(value, bool):
+        raise MaxTextError(f"--maxtext optimizer_memory_host_offload={value}: true or false")
+    if value:
+        notes.append("optimizer_memory_host_offload true: AdamW's moments in host memory between steps, "
+                     "brought to HBM for the update and written back")
+    return value
 
 
 def _logits_dot(params, notes: list[str]) -> bool:
@@ -423,7 +457,8 @@ def plan_setting(spec, topology, params: dict[str, object], *, seq: int | None =
     try:
         result = evaluate(spec, topology, seq=chosen.seq, batch=chosen.batch, mesh=chosen.mesh, remat=chosen.remat,
                           sequence_parallel=split_residual, microbatches=chosen.microbatches, dcn=chosen.dcn,
-                          attention=chosen.attention, experts=chosen.experts)
+                          attention=chosen.attention, experts=chosen.experts, loss_chunks=chosen.loss_chunks,
+                          optimizer_on_host=chosen.optimizer_state_on_host)
     except (PlanError, ValueError) as err:
         raise MaxTextError(str(err)) from None
     if result.lowering is not None:

@@ -57,6 +57,8 @@ def plan_text(plan: Plan, explain: bool = True) -> str:
     if plan.lowering is not None and plan.lowering.loss_chunks > 1:
         lines.append(f"  loss          in {plan.lowering.loss_chunks} pieces of the sequence (float32 logits of one "
                      "piece at a time)")
+    if plan.lowering is not None and plan.lowering.optimizer_state_on_host:
+        lines.append("  optimizer     AdamW's moments in host memory between steps, brought to HBM for the update")
     if plan.pins:
         lines.append("  pinned        " + ", ".join(f"{k}={v}" for k, v in plan.pins.items()))
     lines += ["", f"  {'memory per device':<52}{'predicted':>12}{'XLA':>12}"]

@@ -13,7 +13,7 @@ from mxc.compiler.plan import memory
 from mxc.compiler.plan.advice import advice
 from mxc.compiler.plan.candidates import (Scored, attention_for, choices, describe, expert_settings, fits,
                                           gib, on_capacity_path, rank, score, uses_memory_lever,
-                                          without_needless_pieces)
+                                          with_optimizer_on_host, without_needless_pieces)
 from mxc.compiler.plan.choice import Choice
 from mxc.compiler.plan.explain import Verdicts
 from mxc.compiler.plan.layout import parameters
@@ -50,9 +50,10 @@ def plan(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, pins: Map
     if topology.chips < 1:
         raise PlanError(f"{topology.name} has no fixed device count to plan for; name a topology")
     params = _parameters(spec)
-    scored = without_needless_pieces([score(choice) for choice in
-                                      choices(spec, params, topology, seq, batch, pins, remat, microbatches)],
-                                     topology.usable_hbm_bytes)
+    scored = with_optimizer_on_host(
+        without_needless_pieces([score(choice) for choice in
+                                 choices(spec, params, topology, seq, batch, pins, remat, microbatches)],
+                                topology.usable_hbm_bytes), topology.usable_hbm_bytes)
     if not scored:
         raise PlanError(_nothing_enumerated(spec, topology, batch, pins))
     hbm = topology.usable_hbm_bytes
@@ -124,7 +125,8 @@ def _compiled_step_s(candidate: Scored, verdict: Verification) -> float:
 
 def evaluate(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, mesh: Mapping[str, int],
              remat: str, sequence_parallel: bool = False, microbatches: int = 1, dcn: Mapping[str, int] | None = None,
-             attention: str | None = None, experts: tuple[str | None, float | None] | None = None) -> Plan:
+             attention: str | None = None, experts: tuple[str | None, float | None] | None = None,
+             loss_chunks: int = 1, optimizer_on_host: bool = False) -> Plan:
     """One fixed setting (a recipe's mesh, remat and batch) as a Plan with its predicted memory
     and step time; not compiled (verify.verify judges it)."""
     params = _parameters(spec)
@@ -138,7 +140,8 @@ def evaluate(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, mesh:
     if sequence_parallel:  # the residual stream's sequence split over tensor too
         rules["residual_seq"] = SEQUENCE_PARALLEL
     choice = Choice(spec, params, topology, sizes, dict(dcn or {}), rules, seq, batch, microbatches, remat,
-                    attention or attention_for(topology, seq, sizes["context"], spec), tuple(notes))
+                    attention or attention_for(topology, seq, sizes["context"], spec), tuple(notes),
+                    loss_chunks=loss_chunks, optimizer_on_host=optimizer_on_host)
     choice = replace(choice, **dict(zip(("expert_path", "capacity_factor"), experts or expert_settings(choice)[0])))
     item = score(choice)
     verdict = Verification(status="skipped", reason="not compiled")
@@ -235,7 +238,9 @@ def _plan_value(spec, topology: Topology, seq: int, batch: int, pins, item: Scor
         microbatches=choice.microbatches, pipeline=pipeline_for(spec, choice.mesh.get("stage", 1), choice.microbatches),
         attention=choice.attention, expert_path=choice.expert_path,
         capacity_factor=choice.capacity_factor,
-        lowering=_lowering_for(topology).model_copy(update={"loss_chunks": choice.loss_chunks}), pins=dict(pins),
+        lowering=_lowering_for(topology).model_copy(update={"loss_chunks": choice.loss_chunks,
+                                                            "optimizer_state_on_host": choice.optimizer_on_host}),
+        pins=dict(pins),
         fits=fits_now,
         predicted=item.memory, serving_kv_cache=memory.kv_cache_bytes(choice, seq), xla=verdict, time=verdict.time or item.time)
 

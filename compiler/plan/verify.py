@@ -36,11 +36,14 @@ def lower_train_step(spec: ModelSpec, plan: Plan, mesh, optimizer=None):
 
 
 def _shard_bytes(abstract, shardings) -> int:
+    """One device's bytes of the arrays in device memory (a plan's optimizer state kept in host
+    memory is not HBM's)."""
     import jax
 
     total = 0
     for value, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
-        total += math.prod(sharding.shard_shape(value.shape)) * value.dtype.itemsize
+        if sharding.memory_kind != "pinned_host":
+            total += math.prod(sharding.shard_shape(value.shape)) * value.dtype.itemsize
     return total
 
 
@@ -142,7 +145,9 @@ def verify(spec: ModelSpec, plan: Plan, topology: Topology, found: list | None =
         temporaries=stats.temp_size_in_bytes,
         outputs=stats.output_size_in_bytes - stats.alias_size_in_bytes,
         generated_code=stats.generated_code_size_in_bytes,
-        host_temporaries=stats.host_temp_size_in_bytes,
+        # Host memory the step holds: offloaded activations, and the optimizer state a plan keeps
+        # there (an argument in host memory; XLA's peak counts both).
+        host_temporaries=stats.host_temp_size_in_bytes + stats.host_argument_size_in_bytes,
         peak=getattr(stats, "peak_memory_in_bytes", 0) or 0)
     if memory.total > plan.hbm_bytes:
         return Verification(status="over_hbm", memory=memory, compile_seconds=seconds, time=estimate,
