@@ -90,7 +90,7 @@ def host_budget(choice: Choice) -> float:
 # Where a plan keeps AdamW's moments in host memory (Choice.optimizer_on_host), XLA's TPU
 # scheduler still copies each in at the top of the train step, before the forward pass, so they
 # are in HBM through the step: a 4-layer Llama 3.1 8B on v6e-8 (fsdp 8, full remat, one 2048-token
-# sequence per device; 1.79 GiB of moments) peaks at 6.06 GiB with them in HBM and 6.03 GiB on
+# sequence per device; 1.79 GiB of moments) peaks at 6.06 GiB with them in HBM and 5.95 GiB on
 # device with them in host memory (docs/plans.md, "Optimizer state on host"). This share of them
 # is counted in HBM all the same; the host holds them too.
 MOMENTS_IN_HBM_WHEN_ON_HOST = 1.0
