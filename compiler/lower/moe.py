@@ -286,7 +286,6 @@ def moe_layer(moe: MoE, params: dict, x: jax.Array, config: MoEConfig = MoEConfi
         # keeps the lowering choices of the concrete mesh outside.
         choices = lowering_choices()
         manual = frozenset(names)
-        param_specs, gathered = PartitionSpec(), None
         if config.path == "dropless" and choices.grouped_matmul == "megablox":
             # A Pallas kernel is not partitioned by XLA: megablox needs a region manual over every
             # mesh axis, which the batch's axes are when the others have one device. Otherwise
@@ -294,23 +293,17 @@ def moe_layer(moe: MoE, params: dict, x: jax.Array, config: MoEConfig = MoEConfi
             # take this path only on such meshes, compiler/plan/candidates.py).
             if all(mesh.shape[a] == 1 for a in mesh.axis_names if a not in names):
                 manual, inner_rules = frozenset(mesh.axis_names), {}
-                # The expert weights enter split as stored and are gathered inside, so that
-                # their gradients leave reduce-scattered (entering whole, they left all-reduced).
-                gathered = _stored_expert_specs(moe, x.shape[-1], active_rules()[1], mesh)
-                param_specs = {"router": PartitionSpec(), "experts": gathered}
             else:
                 choices = dataclasses.replace(choices, grouped_matmul="ragged_dot")
 
         def per_shard(p, x):
-            if gathered is not None:
-                p = {**p, "experts": _gather_whole(p["experts"], gathered)}
             # Constraints inside name the mesh as shard_map sees it, its batch axes manual.
             with use_rules(jax.sharding.get_abstract_mesh(), inner_rules), use_lowering(choices):
                 return _routed(moe, p, x, config, total=lambda v: jax.lax.psum(v, names))
 
         # check_vma off: with it, the gradient of this region inside the scanned layers crashes
         # XLA:CPU's compiler (jax 0.10.2: "Invalid binary instruction opcode copy").
-        y, stats = jax.shard_map(per_shard, mesh=mesh, in_specs=(param_specs, spec),
+        y, stats = jax.shard_map(per_shard, mesh=mesh, in_specs=(PartitionSpec(), spec),
                                  out_specs=(spec, PartitionSpec()), axis_names=manual,
                                  check_vma=False)(routed_params, x)
     if moe.shared_experts:
@@ -329,24 +322,6 @@ def _shard_index(names: tuple[str, ...], mesh) -> jax.Array:
 def _names_of(entry) -> tuple[str, ...]:
     """A PartitionSpec entry as a tuple of mesh axis names."""
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _stored_expert_specs(moe: MoE, d_model: int, rules, mesh) -> dict:
-    """PartitionSpecs of the expert weights as the train state stores them (FSDP splits embed)."""
-    return jax.tree.map(lambda d: partition_spec(d.axes, rules, mesh), moe_defs(moe, d_model)["experts"],
-                        is_leaf=lambda d: hasattr(d, "axes"))
-
-
-def _gather_whole(params: dict, specs: dict) -> dict:
-    """Inside a manual region, each weight gathered whole along its split dimensions (the
-    gradient of a tiled all-gather is a reduce-scatter)."""
-    def whole(spec, x):
-        for dim, entry in enumerate(spec):
-            if _names_of(entry):
-                x = jax.lax.all_gather(x, _names_of(entry), axis=dim, tiled=True)
-        return x
-
-    return jax.tree.map(whole, specs, params, is_leaf=lambda s: isinstance(s, PartitionSpec))
 
 
 def _expert_specs(moe: MoE, d_model: int, rules, mesh) -> dict:
