@@ -1,6 +1,7 @@
 """The lowering's CPU choices compute what the plain program computes: values and gradients
 agree to float32 rounding, and each choice is what a CPU plan (and only a CPU plan) picks."""
 
+import dataclasses
 import re
 
 import jax
@@ -64,6 +65,7 @@ def test_the_head_gradient_is_not_copied_transposed():
 def test_only_cpu_plans_choose_the_cpu_lowering(topology, cpu):
     chosen = plan(load_model("llama3-tiny"), parse(topology), seq=64, batch=16, verify=False)
     assert chosen.lowering_choices().canonical_weight_gradients is cpu
+    assert (chosen.lowering_choices().causal_query_blocks > 1) is cpu
 
 
 @pytest.mark.slow
@@ -135,3 +137,58 @@ def test_the_dot_saving_remat_policies_keep_the_canonical_weight_products(remat)
             return step.lower(params).as_text().count("stablehlo.dot_general")
 
     assert products(True) == products(False)
+
+
+# (heads, kv_heads, sinks, softcap, window): MHA as the bench models; GQA with a GPT-OSS-style
+# sink, a soft cap and a sliding window.
+ATTENTIONS = [(4, 4, False, None, None), (6, 2, True, 30.0, 40)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, sinks, softcap, window", ATTENTIONS)
+def test_attention_in_query_blocks_equals_the_one_block_core(heads, kv_heads, sinks, softcap, window):
+    """Two packed documents per row (segment ids, positions restarting): values and gradients of
+    the blocked core equal the one-block core's to float32 rounding (3 does not divide 64: two
+    blocks)."""
+    from mxc.compiler.lower.attention_blocks import attend_in_query_blocks
+    from mxc.compiler.lower.attention_core import attend
+
+    batch, seq, head_dim = 2, 64, 16
+    keys = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(keys[0], (batch, seq, heads, head_dim), jnp.float32)
+    k, v = (jax.random.normal(key, (batch, seq, kv_heads, head_dim), jnp.float32) for key in keys[1:3])
+    cotangent = jax.random.normal(keys[3], q.shape, jnp.float32)
+    sink = jax.random.normal(keys[4], (heads,), jnp.float32) if sinks else None
+    segment_ids = jnp.asarray([[1] * 23 + [2] * 41, [1] * 64], jnp.int32)
+    positions = jnp.asarray([list(range(23)) + list(range(41)), list(range(64))], jnp.int32)
+    settings = dict(q_positions=positions, kv_positions=positions, scale=head_dim ** -0.5, window=window,
+                    chunk=None, softcap=softcap, segment_ids=segment_ids)
+
+    def loss(core):
+        return jax.jit(jax.value_and_grad(lambda q, k, v, s: jnp.sum(core(q, k, v, s) * cotangent),
+                                          argnums=(0, 1, 2, 3) if sinks else (0, 1, 2)))
+
+    want = loss(lambda q, k, v, s: attend(q, k, v, sinks=s, **settings))(q, k, v, sink)
+    for blocks in (3, 4):
+        got = loss(lambda q, k, v, s: attend_in_query_blocks(q, k, v, sinks=s, blocks=blocks, **settings))(q, k, v, sink)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=f"{blocks} blocks")
+
+
+def test_a_cpu_train_step_skips_the_scores_above_the_diagonal_blocks():
+    """The point of the choice: in four query blocks the step's attention products cover 5/8 of
+    the [seq, seq] scores, so the lowered step counts fewer FLOPs."""
+    from mxc.compiler.lower.params import init_params
+    from mxc.compiler.lower.train import model_loss_sums
+
+    spec = load_model("llama3-tiny").model_copy(update={"compute_dtype": "float32"})
+    params = jax.eval_shape(lambda: init_params(spec, jax.random.key(0)))
+    tokens = jnp.zeros((2, 129), jnp.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": jnp.ones((2, 128), jnp.float32)}
+    sums = model_loss_sums(spec, remat="minimal_with_context")
+
+    def flops(blocks: int) -> float:
+        with use_lowering(dataclasses.replace(LoweringChoices.for_platform("cpu"), causal_query_blocks=blocks)):
+            cost = jax.jit(jax.value_and_grad(lambda p: sums(p, batch).total())).lower(params).cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    assert flops(4) < flops(1)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from mxc.compiler.lower.attention_blocks import self_attention_impl
 from mxc.compiler.lower.attention_core import attend
 from mxc.compiler.lower.norms import apply_norm
 from mxc.compiler.lower.projection import project
@@ -82,7 +83,8 @@ def attention_layer(att, params: dict, x: jax.Array, positions: jax.Array, *, ca
     context = attend(q, k, v, q_positions=positions, kv_positions=kv_positions, scale=scalar ** -0.5,
                      window=att.window, chunk=att.chunk, softcap=att.softcap,
                      sinks=params.get("sinks"), segment_ids=segment_ids,
-                     image_blocks=None if image_blocks is None else (image_blocks, kv_blocks), impl=impl)
+                     image_blocks=None if image_blocks is None else (image_blocks, kv_blocks),
+                     impl=self_attention_impl(impl, cached=cache is not None, image_blocks=image_blocks))
     context = checkpoint_name(context, CONTEXT)
     out = _project(context, params["o"], dtype, "bshd,hde->bse")
     out = named_residual(constrain(out, RESIDUAL_AXES), "out_proj")

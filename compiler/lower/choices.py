@@ -56,6 +56,10 @@ class LoweringChoices:
     # writes that cache into the empty full-length one; otherwise it attends to every slot of the
     # full cache, whose slots after the prompt are all empty (docs/runtime.md, "Time to first token").
     prefill_own_keys: bool = False
+    # Causal self-attention without a cache (training, evaluation) in this many query blocks, each
+    # attending to the keys up to its own end (attention_blocks.py): the scores above the diagonal's
+    # blocks are not computed. 1: the one-block core (TPU plans; splash skips those tiles itself).
+    causal_query_blocks: int = 1
 
     @classmethod
     def for_platform(cls, platform: str) -> "LoweringChoices":
@@ -66,7 +70,8 @@ class LoweringChoices:
         return cls(stacked_projections=tpu, interpret_kernels=not tpu,
                    canonical_weight_gradients=cpu, fused_cross_entropy=cpu, blocked_weight_conversion=cpu,
                    grouped_matmul="megablox" if tpu else "ragged_dot", ragged_all_to_all=tpu,
-                   per_layer_serving=cpu, prefill_own_keys=cpu)
+                   per_layer_serving=cpu, prefill_own_keys=cpu,
+                   causal_query_blocks=4 if cpu else 1)
 
     def serves_per_layer(self, quantize: str | None) -> bool:
         """Whether serving programs for a spec quantized as `quantize` take one array per layer:
