@@ -209,7 +209,10 @@ def generate(servable: Servable, params, prompts: np.ndarray, max_new: int, *,
             # A row whose whole prompt is in the cache takes its next token from these logits.
             ready = (fed == length) & (made < max_new)
             chosen = next_tokens(logits, seed, rows, np.minimum(made, max_new - 1), sampling=sampling)
-            ahead = _step_ahead(servable, params, chosen, cache, fed, length, made + ready, max_new)
+            # Not before the first token: the time to first token stays the prefill's and the
+            # sampler's alone, and every decode step runs inside the decode rate's window.
+            ahead = (None if first_at is None
+                     else _step_ahead(servable, params, chosen, cache, fed, length, made + ready, max_new))
             token = _host(chosen)
             new[ready, made[ready]] = token[ready]
             made += ready

@@ -207,8 +207,8 @@ def test_the_first_request_is_timed_after_the_functions_ran_once():
 
 def test_the_next_step_starts_before_the_tokens_reach_the_host(monkeypatch):
     """Where every row goes on from the token just drawn, the next decode step is dispatched with
-    it still on the device, and only then is it fetched; a step fed from the host (the last token
-    needs none) is not. The tokens stay those of the reference."""
+    it still on the device, and only then is it fetched; not after the first token (its time is the
+    time to first token) nor the last (no step follows). The tokens stay those of the reference."""
     import mxc.runtime.generate as driver
 
     toy = _toy_servable()
@@ -225,4 +225,4 @@ def test_the_next_step_starts_before_the_tokens_reach_the_host(monkeypatch):
     events.clear()
     tokens, _ = generate(servable, None, np.array([[1, 2, 3]], np.int32), 4)
     assert tokens[0, 3:].tolist() == _toy_reference([1, 2, 3], 4)
-    assert events == ["decode on device", "fetch"] * 3 + ["fetch"]
+    assert events == ["fetch", "decode from host"] + ["decode on device", "fetch"] * 2 + ["fetch"]
