@@ -60,13 +60,17 @@ def runs():
 
 def test_offloaded_moments_train_as_the_plain_program(runs):
     (plain_losses, plain, _), (losses, state, _) = runs
-    # The same update in the same order on the same values: equal to the bit.
-    assert losses == plain_losses
+    # The same elementwise update, the stacked layers' inside a loop over the layers, where XLA
+    # fuses it differently: equal within float32 rounding (measured: at most 6.5e-9 apart, on
+    # values of about 0.01-0.05), not to the bit.
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)
     assert losses[-1] < losses[0]
-    for want, got in zip(jax.tree.leaves(plain.params), jax.tree.leaves(state.params)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    for want, got in zip(jax.tree.leaves(plain.opt_state), jax.tree.leaves(state.opt_state)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for tree in ("params", "opt_state"):
+        flat = jax.tree_util.tree_leaves_with_path(getattr(state, tree))
+        for (path, got), want in zip(flat, jax.tree.leaves(getattr(plain, tree))):
+            scale = float(np.max(np.abs(np.asarray(want))))
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6 * scale,
+                                       err_msg=tree + jax.tree_util.keystr(path))
 
 
 def test_the_compiled_step_keeps_the_moments_in_host_memory(runs):

@@ -147,11 +147,11 @@ def test_vocab_tiling_and_optimizer_offload_map_to_the_loss_in_pieces_and_the_st
     after = json.loads(capsys.readouterr().out)
     assert before["lowering"]["loss_chunks"] == 1 and "optimizer_state_on_host" not in before["lowering"]
     assert after["lowering"]["loss_chunks"] == 16 and after["lowering"]["optimizer_state_on_host"] is True
-    # The moments go to host memory, and XLA still keeps them in HBM through the step (memory.py's
-    # MOMENTS_IN_HBM_WHEN_ON_HOST): counted in both.
+    # The moments go to host memory (twice: the updated layers' are written to a second buffer),
+    # HBM holding a share of them during the update (memory.py's MOMENTS_IN_HBM_WHEN_ON_HOST).
     moments = before["predicted"]["optimizer_state"]
-    assert moments > 0 and after["predicted"]["optimizer_state"] == moments
-    assert after["predicted"]["host"] == before["predicted"]["host"] + moments
+    assert 0 < after["predicted"]["optimizer_state"] < moments / 4
+    assert after["predicted"]["host"] == before["predicted"]["host"] + 2 * moments
     assert after["time"]["communication"]["optimizer state over the host link"] > 0
     assert after["time"]["step_s"] > before["time"]["step_s"]
     main([*args, "--explain", *recipe, "--maxtext", "num_vocab_tiling=16", "--maxtext", "optimizer_memory_host_offload=true"])

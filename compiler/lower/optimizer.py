@@ -113,11 +113,17 @@ def make_optimizer(config: OptimizerConfig, decay_mask=None) -> optax.GradientTr
     argument). `decay_mask` is a bool pytree (or a function of params returning one); None means
     `weight_decay_mask(params)` by rank and name. `update(grads, state, params, learning_rate=LR)`
     uses LR; without it, the config's schedule."""
-    adamw = optax.chain(
+    adamw = adamw_after_clipping(config, decay_mask)
+    if config.clip_norm is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(config.clip_norm), adamw)
+
+
+def adamw_after_clipping(config: OptimizerConfig, decay_mask=None) -> optax.GradientTransformationExtraArgs:
+    """make_optimizer's chain after the clipping: elementwise, so it also runs on any part of the
+    parameters (train.layered_optimizer updates one layer's slice at a time)."""
+    return optax.chain(
         optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps),
         optax.add_decayed_weights(config.weight_decay, weight_decay_mask if decay_mask is None else decay_mask),
         scale_by_given_rate(learning_rate_schedule(config)),
     )
-    if config.clip_norm is None:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(config.clip_norm), adamw)

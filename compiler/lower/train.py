@@ -112,9 +112,7 @@ def make_gradient_step(sums_fn: LossSumsFn, optimizer: optax.GradientTransformat
             (grads, sums), _ = jax.lax.scan(accumulate, (zero_grads, zero_sums), parts)
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
 
-        opt_state = moments_in(optimizer, state.opt_state)
-        updates, opt_state = optimizer.update(grads, opt_state, state.params, learning_rate=rate)
-        opt_state = moments_out(optimizer, opt_state)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params, learning_rate=rate)
         params = optax.apply_updates(state.params, updates)
         if after_update is not None:
             params = after_update(params, sums)
@@ -131,22 +129,73 @@ def _moments_on_host() -> bool:
     return lowering_choices().optimizer_state_on_host
 
 
-def moments_in(optimizer, opt_state):
-    """The optimizer state with its parameter-shaped slots (AdamW's moments) brought to device
-    memory, one array at a time, where the plan keeps them in host memory between steps
-    (LoweringChoices.optimizer_state_on_host; the step's in/out shardings place them there,
-    train_state_shardings). XLA's TPU scheduler starts these copies at the top of the step, so
-    HBM still holds the moments through it (docs/plans.md, "Optimizer state on host")."""
-    if not _moments_on_host():
-        return opt_state
-    return optax.tree_map_params(optimizer, lambda m: jax.device_put(m, jax.memory.Space.Device), opt_state)
+def layered_optimizer(spec: ModelSpec, config: OptimizerConfig) -> optax.GradientTransformationExtraArgs:
+    """model_optimizer(spec, config), whose update, where the plan keeps AdamW's moments in host
+    memory between steps (LoweringChoices.optimizer_state_on_host; train_state_shardings places
+    them), brings them to HBM a layer at a time: the stacked layers' parameters are updated in a
+    loop over the layers, each iteration moving that layer's moments in from the host stack and
+    its updated moments back out; the other parameters' moments move whole. The clipping's global
+    norm is taken first, over every gradient; the rest of AdamW is elementwise, so the update is the
+    plain one's. Left to itself (every moment moved in at once), XLA's TPU scheduler starts the
+    copies at the top of the step and HBM holds the moments throughout (docs/plans.md,
+    "Optimizer state on host"). Frozen groups take the plain update."""
+    from mxc.compiler.lower.optimizer import adamw_after_clipping
+    from mxc.compiler.lower.params import param_axes, param_shapes
 
+    plain = model_optimizer(spec, config)
+    if config.freeze:
+        return plain
+    axes = jax.tree.leaves(param_axes(spec), is_leaf=lambda a: isinstance(a, tuple))
+    stacked = [a[:1] == ("layers",) for a in axes]
+    mask = jax.tree.leaves(weight_decay_mask(param_shapes(spec), param_axes(spec)))
+    to_device, to_host = jax.memory.Space.Device, jax.memory.Space.Host
 
-def moments_out(optimizer, opt_state):
-    """The updated moments written back to host memory (moments_in's other half)."""
-    if not _moments_on_host():
-        return opt_state
-    return optax.tree_map_params(optimizer, lambda m: jax.device_put(m, jax.memory.Space.Host), opt_state)
+    def update(grads, state, params=None, *, learning_rate=None, **extra_args):
+        if not _moments_on_host():
+            return plain.update(grads, state, params, learning_rate=learning_rate, **extra_args)
+        if config.clip_norm is not None:
+            clip_state, (adam, decay, schedule) = state
+            grads, clip_state = optax.clip_by_global_norm(config.clip_norm).update(grads, clip_state)
+        else:
+            adam, decay, schedule = state
+        flat_grads, treedef = jax.tree.flatten(grads)
+        flat_params, mu, nu = (treedef.flatten_up_to(tree) for tree in (params, adam.mu, adam.nu))
+
+        def apply(which, g, m, v, p):
+            """adamw on the parameters `which` (lists of their gradients, moments, values)."""
+            transform = adamw_after_clipping(config, [mask[i] for i in which])
+            inner = (adam._replace(mu=m, nu=v), decay, schedule)
+            return transform.update(g, inner, p, learning_rate=learning_rate)
+
+        whole = [i for i, s in enumerate(stacked) if not s]
+        layered = [i for i, s in enumerate(stacked) if s]
+        pick = lambda values, which: [values[i] for i in which]  # noqa: E731
+        updates, (new_adam, decay_out, schedule_out) = apply(
+            whole, pick(flat_grads, whole), [jax.device_put(m, to_device) for m in pick(mu, whole)],
+            [jax.device_put(v, to_device) for v in pick(nu, whole)], pick(flat_params, whole))
+        flat_updates, new_mu, new_nu = [None] * len(stacked), list(mu), list(nu)
+        for slot, i in enumerate(whole):
+            flat_updates[i] = updates[slot]
+            new_mu[i] = jax.device_put(new_adam.mu[slot], to_host)
+            new_nu[i] = jax.device_put(new_adam.nu[slot], to_host)
+
+        def one_layer(_, layer):
+            g, m, v, p = layer
+            done, (layer_adam, _, _) = apply(layered, g, [jax.device_put(x, to_device) for x in m],
+                                             [jax.device_put(x, to_device) for x in v], p)
+            return None, (done, [jax.device_put(x, to_host) for x in layer_adam.mu],
+                          [jax.device_put(x, to_host) for x in layer_adam.nu])
+
+        if layered:
+            _, (updates, layer_mu, layer_nu) = jax.lax.scan(
+                one_layer, None, tuple(pick(values, layered) for values in (flat_grads, mu, nu, flat_params)))
+            for slot, i in enumerate(layered):
+                flat_updates[i], new_mu[i], new_nu[i] = updates[slot], layer_mu[slot], layer_nu[slot]
+        new_adam = adam._replace(count=new_adam.count, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu))
+        inner = (new_adam, decay_out, schedule_out)
+        return treedef.unflatten(flat_updates), (inner if config.clip_norm is None else (clip_state, inner))
+
+    return optax.GradientTransformationExtraArgs(plain.init, update)
 
 
 def make_eval_step(spec: ModelSpec, *, attention_impl: str = "xla", z_loss_weight: float = 0.0,
@@ -273,7 +322,7 @@ def make_train_step(spec: ModelSpec, config: OptimizerConfig, *, microbatches: i
                               moe=moe, pipeline=pipeline)
     return make_gradient_step(
         without_frozen_gradients(sums_fn, frozen_groups(spec, config.freeze)),
-        model_optimizer(spec, config), learning_rate_schedule(config),
+        layered_optimizer(spec, config), learning_rate_schedule(config),
         microbatches=1 if pipeline is not None else microbatches,
         after_update=after_update)
 

@@ -171,9 +171,7 @@ def with_optimizer_on_host(scored: list[Scored], hbm: int) -> list[Scored]:
     host memory (Choice.optimizer_on_host) where that saving would make it fit, on TPUs whose
     hosts' memory mxc knows: the lever pays the moments' trip over the host link every step, so it
     is for plans the state keeps out of HBM (MaxText's optimizer_memory_host_offload; the host
-    budget is checked as for offloaded activations, memory.host_budget). While XLA keeps the
-    moments in HBM through the step (memory.MOMENTS_IN_HBM_WHEN_ON_HOST 1.0) it saves nothing,
-    and no twin is made."""
+    budget is checked as for offloaded activations, memory.host_budget)."""
     def worth_a_twin(s: Scored) -> bool:  # over HBM, and within it with the moments' saving
         saved = (1 - memory.MOMENTS_IN_HBM_WHEN_ON_HOST) * s.memory.optimizer_state
         return (s.memory.total > hbm >= s.memory.total - saved and not s.choice.optimizer_on_host

@@ -1,9 +1,9 @@
 """Analytic per-device memory of a train step (and of a serving KV cache).
 
     parameters       every parameter's shard, counted tensor by tensor under the rules
-    optimizer state  AdamW's two moments, laid out and typed like the parameters; also in host
-                     memory where the plan keeps them there (Choice.optimizer_on_host), and
-                     still in HBM through the step (MOMENTS_IN_HBM_WHEN_ON_HOST)
+    optimizer state  AdamW's two moments, laid out and typed like the parameters; in host memory
+                     where the plan keeps them there (Choice.optimizer_on_host), HBM holding a
+                     layer's at a time during the update (MOMENTS_IN_HBM_WHEN_ON_HOST)
     gradients        one parameter-sized buffer (the scan writes every layer's gradient into
                      it); a second one accumulates across microbatches
     activations      what each layer keeps for the backward pass under the remat policy, for
@@ -87,13 +87,14 @@ def host_budget(choice: Choice) -> float:
     return HOST_SHARE_FOR_ACTIVATIONS * HOST_MEMORY_PER_CHIP.get(choice.topology.chip.name, 0.0)
 
 
-# Where a plan keeps AdamW's moments in host memory (Choice.optimizer_on_host), XLA's TPU
-# scheduler still copies each in at the top of the train step, before the forward pass, so they
-# are in HBM through the step: a 4-layer Llama 3.1 8B on v6e-8 (fsdp 8, full remat, one 2048-token
-# sequence per device; 1.79 GiB of moments) peaks at 6.06 GiB with them in HBM and 5.95 GiB on
-# device with them in host memory (docs/plans.md, "Optimizer state on host"). This share of them
-# is counted in HBM all the same; the host holds them too.
-MOMENTS_IN_HBM_WHEN_ON_HOST = 1.0
+# Where a plan keeps AdamW's moments in host memory (Choice.optimizer_on_host), the update brings
+# them to HBM a layer at a time (train.layered_optimizer); this share of them is in HBM at its
+# peak, measured on a 4-layer Llama 3.1 8B on v6e-8 (fsdp 8, full remat, one 2048-token sequence
+# per device, 1.79 GiB of moments): XLA's device peak 6.06 GiB with the moments in HBM, 4.54 GiB
+# with them on host (docs/plans.md, "Optimizer state on host"). The updated layers' moments go to
+# a second host buffer (0.81 GiB there): the host holds the moments twice, at most.
+MOMENTS_IN_HBM_WHEN_ON_HOST = 0.15
+MOMENT_COPIES_ON_HOST = 2
 
 
 def optimizer_state_bytes(choice: Choice) -> int:
@@ -170,7 +171,7 @@ def predict(choice: Choice) -> Memory:
         gradients=gradients,
         activations=device,
         temporaries=int(temporaries),
-        host=host + (moments if choice.optimizer_on_host else 0),
+        host=host + (MOMENT_COPIES_ON_HOST * moments if choice.optimizer_on_host else 0),
     ))
 
 
