@@ -139,6 +139,16 @@ def layer_bytes(block_name: str, choice: Choice, policy: str) -> tuple[int, int]
     return device, sum(size for name, size in sizes.items() if name in offloaded and name not in NEVER_READ)
 
 
+def layer_recomputed_bytes(block_name: str, choice: Choice) -> int:
+    """What one layer's backward recomputes under the plan's policy: every intermediate the policy
+    neither keeps nor offloads and the backward reads (0 without remat)."""
+    kept, offloaded = kept_names(choice.remat)
+    if "*" in kept:
+        return 0
+    return sum(size for name, size in intermediate_bytes(block_name, choice).items()
+               if name not in kept and name not in offloaded and name not in NEVER_READ)
+
+
 def layer_working_bytes(block_name: str, choice: Choice) -> int:
     """Everything one layer's forward produces: what its backward holds at once while it
     recomputes and differentiates that layer."""

@@ -4,8 +4,9 @@
                    per token, causal attention counted half) plus the forward matmuls the remat
                    policy makes the backward redo
     memory         bytes that non-matmul work moves through HBM at its bandwidth: every
-                   intermediate written and read forward and backward, float32 logits, the
-                   AdamW update
+                   intermediate written and read forward and backward (again where the
+                   backward recomputes it), float32 logits, the AdamW update, the FSDP
+                   collectives' buffers
     communication  ring collectives, (n-1)/n of the data over the axis's bandwidth (twice for an
                    all-reduce): FSDP's all-gathers of weights and reduce-scatters of gradients,
                    data parallelism's gradient all-reduce, tensor parallelism's activation
@@ -26,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 from mxc.compiler.analysis import attention_flops_per_token, summarize
 from mxc.compiler.kinds import kind_of
-from mxc.compiler.plan.activations import RECOMPUTED, layer_bytes, layer_working_bytes
+from mxc.compiler.plan.activations import RECOMPUTED, layer_bytes, layer_recomputed_bytes, layer_working_bytes
 from mxc.compiler.plan.choice import Choice, layer_counts
 from mxc.compiler.plan.memory import logits_bytes, optimizer_state_bytes, parameter_bytes
 from mxc.compiler.plan.plan import StepTime
@@ -193,17 +194,30 @@ def hbm_traffic(choice: Choice) -> float:
     microbatches = choice.microbatches
     produced = sum(count * layer_working_bytes(name, choice)
                    for name, count in layer_counts(spec).items())
+    recomputed = sum(count * layer_recomputed_bytes(name, choice) for name, count in layer_counts(spec).items())
     # Norms, activations, RoPE, residual adds: each intermediate written and read forward, its
-    # gradient written and read backward; a recomputing backward runs the forward once more.
-    passes = 4 + (2 if RECOMPUTED[choice.remat] else 0)
-    activations = microbatches * passes * produced
+    # gradient written and read backward; what the policy does not keep is written and read once
+    # more where the backward recomputes it (what it keeps is not redone).
+    activations = microbatches * (4 * produced + 2 * recomputed)
     # Float32 logits written, read by the log-sum-exp, read again for their gradient; over pieces
     # of the sequence, written and read once more where the backward recomputes them.
     logits = microbatches * (3 + 2 * (choice.loss_chunks > 1)) * logits_bytes(choice)
     update = UPDATE_ACCESSES * parameter_bytes(choice)
     if microbatches > 1:
         update += 2 * microbatches * parameter_bytes(choice)  # the accumulator, read and written
-    return activations + logits + update
+    return activations + logits + update + collective_buffer_bytes(choice)
+
+
+def collective_buffer_bytes(choice: Choice) -> float:
+    """HBM bytes of the FSDP collectives' buffers in one step: each microbatch's all-gathers
+    (forward and backward) write the weights gathered whole, its reduce-scatter reads the whole
+    gradient. The compiled programs run them as kernels of their own, outside the matmuls that
+    read the gathered weights (docs/plans.md, "The analytic model")."""
+    if not _gathered_axes(choice):
+        return 0.0
+    gathered = _model_gathered_bytes(choice)
+    grads = gathered / choice.compute_bytes * choice.param_bytes
+    return choice.microbatches * (2 * gathered + grads)
 
 
 def host_seconds(choice: Choice) -> float:
