@@ -261,7 +261,8 @@ def serve_functions(spec: ModelSpec, plan: Plan, mesh: Mesh, run: RunConfig, par
     cache_shardings = tree_shardings(cache_axes(spec, image_tokens=cross), mesh, rules)
     # CPUs: one array per layer (layer_layout.py); the cross-attention image path runs stacked only.
     if plan.lowering_choices().serves_per_layer(spec.quantize) and not cross:
-        params, params_shardings = per_layer_abstract(params, params_shardings)
+        params, params_shardings = per_layer_abstract(params, params_shardings,
+                                                      joined=plan.lowering_choices().joined_serving_projections)
         cache, cache_shardings = per_layer_abstract(cache, cache_shardings)
     logits = named_sharding(("batch", "vocab"), mesh, rules)
     tokens = named_sharding(("batch", "seq"), mesh, rules)

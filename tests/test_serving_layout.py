@@ -49,10 +49,16 @@ def test_the_abstract_layouts_convert_both_ways():
     spec = load_model(MODEL)
     shapes = jax.eval_shape(lambda: init_params(spec, jax.random.key(0)))
     shardings = jax.tree.map(lambda _: None, shapes)
-    layered, _ = per_layer_abstract(shapes, shardings)
-    assert jax.tree.structure(layered) == jax.tree.structure(jax.eval_shape(per_layer, shapes))
-    back = stacked_abstract(layered)
-    assert [(a.shape, a.dtype) for a in jax.tree.leaves(back)] == [(a.shape, a.dtype) for a in jax.tree.leaves(shapes)]
+    for joined in (False, True):  # and with each layer's projections joined (layer_layout.joined_block)
+        layered, layered_shardings = per_layer_abstract(shapes, shardings, joined=joined)
+        arrays = jax.eval_shape(lambda s: per_layer(s, joined), shapes)
+        assert jax.tree.structure(layered) == jax.tree.structure(arrays)
+        assert [(a.shape, a.dtype) for a in jax.tree.leaves(layered)] == [(a.shape, a.dtype) for a in jax.tree.leaves(arrays)]
+        assert jax.tree.structure(layered_shardings, is_leaf=lambda x: x is None) == jax.tree.structure(
+            layered, is_leaf=lambda x: x is None)
+        back = stacked_abstract(layered)
+        assert jax.tree.structure(back) == jax.tree.structure(shapes)
+        assert [(a.shape, a.dtype) for a in jax.tree.leaves(back)] == [(a.shape, a.dtype) for a in jax.tree.leaves(shapes)]
 
 
 def test_cpu_plans_serve_quantized_weights_stacked():
@@ -113,3 +119,74 @@ def test_the_cpu_decode_step_reads_the_attention_output_kernel_in_place():
     assert len(kernels) == spec.layers[0].repeat, kernels  # one per layer, found by name
     copies = [k for k in kernels if re.search(rf"fusion\(%{re.escape(k)}\), kind=kLoop", hlo)]
     assert not copies, copies
+
+
+# SmolLM2-135M's layer shape (bench/runtime_common.py's preset) in two layers and a small vocabulary,
+# and a Qwen2.5-like model whose q/k/v have biases.
+SMOLLM2_SHAPED = """
+model smollm2-shaped {
+  vocab = 512
+  d_model = 576
+  max_seq = 256
+  embedding = embedding(tied = true)
+  final_norm = rmsnorm(eps = 1e-5)
+  param_dtype = float32
+  compute_dtype = float32
+  block x 2 {
+    attention = gqa(heads = 9, kv_heads = 3, head_dim = 64, rope = rope(theta = 100000))
+    mlp = glu(hidden = 1536, act = silu)
+    norm = rmsnorm(eps = 1e-5)
+  }
+}
+"""
+QWEN_SHAPED = """
+model qwen-shaped extends qwen2.5-7b {
+  vocab = 512
+  d_model = 64
+  max_seq = 256
+  compute_dtype = float32
+  block x 2 {
+    attention.heads = 4
+    attention.kv_heads = 2
+    attention.head_dim = 16
+    mlp.hidden = 128
+  }
+}
+"""
+
+
+def _joined_and_apart(spec, seed):
+    """Greedy logits and the decode step's weight products, with the CPU serving conversion's
+    projections joined and with them apart."""
+    import dataclasses
+    import re
+
+    from mxc.compiler.lower.choices import LoweringChoices, use_lowering
+    from mxc.runtime.layer_layout import has_joined
+
+    params = init_params(spec, jax.random.key(seed))
+    prompt = np.random.default_rng(seed).integers(0, spec.vocab, (1, PROMPT)).astype(np.int32)
+    cpu = LoweringChoices.for_platform("cpu")
+    results = []
+    for choices in (cpu, dataclasses.replace(cpu, joined_serving_projections=False)):
+        with use_lowering(choices):
+            layered = per_layer_arrays(params)
+            logits, cache = _greedy(spec, layered, prompt)
+            _, decode = serving_steps(spec, 1, CACHE, dtype="float32")
+            text = jax.jit(decode).lower(layered, np.zeros(1, np.int32), cache).as_text()
+        results.append((has_joined(layered), logits, len(re.findall(r"stablehlo\.dot_general", text))))
+    return results
+
+
+def test_joined_projections_serve_the_tokens_of_separate_ones():
+    """CPU serving joins q/k/v and gate/up into one kernel each (layer_layout.joined_block): three
+    weight products a layer fewer, and the greedy tokens and logits of the separate kernels (to
+    float32 rounding; bit-identical where measured). Swapping the joined parts fails this test."""
+    from mxc.spec.load import load_text
+
+    for spec in (load_model(MODEL), load_text(SMOLLM2_SHAPED)["smollm2-shaped"], load_text(QWEN_SHAPED)["qwen-shaped"]):
+        (joined, joined_logits, joined_dots), (apart, apart_logits, apart_dots) = _joined_and_apart(spec, 3)
+        assert joined and not apart, spec.name
+        assert apart_dots - joined_dots == 3 * spec.layers[0].repeat, (spec.name, apart_dots, joined_dots)
+        np.testing.assert_array_equal(np.argmax(joined_logits, -1), np.argmax(apart_logits, -1))
+        np.testing.assert_allclose(joined_logits, apart_logits, rtol=1e-5, atol=1e-5, err_msg=spec.name)

@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 from mxc.compiler.lower.attention_blocks import self_attention_impl
 from mxc.compiler.lower.attention_core import attend
 from mxc.compiler.lower.norms import apply_norm
-from mxc.compiler.lower.projection import project
+from mxc.compiler.lower.projection import project, project_split
 from mxc.compiler.lower.remat import CONTEXT, named_residual  # its word is also a mesh axis's name: one spelling
 from mxc.compiler.quant import kv_cache
 from mxc.compiler.lower.rope import apply_rope, rope_angles
@@ -48,7 +48,9 @@ def attention_layer(att, params: dict, x: jax.Array, positions: jax.Array, *, ca
     the caller has already updated with `positions`).
     image_blocks [batch, seq]: each token's image (-1 for text), attended both ways (attend)."""
     dtype = x.dtype
-    if not stacked_projections():
+    if "qkv" in params:  # CPU serving: the kernels joined once, at conversion (layer_layout.py)
+        q, k, v = project_split(x, params["qkv"], "bse,ehd->bshd", dtype, (att.heads, att.kv_heads, att.kv_heads), 2)
+    elif not stacked_projections():
         q, k, v = (_project(x, params[name], dtype, "bse,ehd->bshd") for name in ("q", "k", "v"))
     elif heads_unsplit():
         q, k, v = project_joined(x, [params["q"], params["k"], params["v"]], dtype, "bse,ehd->bshd")

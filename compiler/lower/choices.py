@@ -60,6 +60,10 @@ class LoweringChoices:
     # attending to the keys up to its own end (attention_blocks.py): the scores above the diagonal's
     # blocks are not computed. 1: the one-block core (TPU plans; splash skips those tiles itself).
     causal_query_blocks: int = 1
+    # CPU serving's per-layer conversion joins each layer's q/k/v kernels into one [embed, heads +
+    # 2 kv_heads, head_dim] and gate/up into one [embed, 2 mlp] (layer_layout.py), so a decode step
+    # runs 4 weight products a layer instead of 7; the lowering splits the products' outputs.
+    joined_serving_projections: bool = False
 
     @classmethod
     def for_platform(cls, platform: str) -> "LoweringChoices":
@@ -71,7 +75,7 @@ class LoweringChoices:
                    canonical_weight_gradients=cpu, fused_cross_entropy=cpu, blocked_weight_conversion=cpu,
                    grouped_matmul="megablox" if tpu else "ragged_dot", ragged_all_to_all=tpu,
                    per_layer_serving=cpu, prefill_own_keys=cpu,
-                   causal_query_blocks=4 if cpu else 1)
+                   causal_query_blocks=4 if cpu else 1, joined_serving_projections=cpu)
 
     def serves_per_layer(self, quantize: str | None) -> bool:
         """Whether serving programs for a spec quantized as `quantize` take one array per layer:

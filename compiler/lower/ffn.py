@@ -13,7 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 from mxc.compiler.kinds import kind_of
 from mxc.compiler.kinds.dense_ffn import DenseFFN
 from mxc.compiler.lower.param_def import UnsupportedError
-from mxc.compiler.lower.projection import project
+from mxc.compiler.lower.projection import project, project_split
 from mxc.compiler.lower.remat import named_residual
 from mxc.compiler.lower.sharding import RESIDUAL_AXES, constrain
 from mxc.compiler.lower.stacking import project_pair, stacked_projections
@@ -64,7 +64,11 @@ def ffn_layer(ffn, params: dict, x: jax.Array) -> jax.Array:
     _dense_kind(ffn)
     dtype = x.dtype
     hidden_axes = ("batch", "seq", "mlp")
-    if "gate" in params and stacked_projections():
+    if "gate_up" in params:  # CPU serving: the kernels joined once, at conversion (layer_layout.py)
+        units = params["gate_up"]["kernel"].shape[-1] // 2
+        gate, up = (checkpoint_name(constrain(y, hidden_axes), "mlpwi") for y in
+                    project_split(x, params["gate_up"], "...i,io->...o", dtype, (units, units), -1, mlp=True))
+    elif "gate" in params and stacked_projections():
         gate, up = (checkpoint_name(constrain(y, hidden_axes), "mlpwi")
                     for y in project_pair(x, params["gate"], params["up"], dtype, "...i,iko->k...o", mlp=True))
     else:

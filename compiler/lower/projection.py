@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +105,14 @@ def project(x: jax.Array, params: dict, pattern: str, dtype, *, mlp: bool = Fals
     if "bias" in params:
         y = y + params["bias"].astype(dtype)
     return y
+
+
+def project_split(x: jax.Array, params: dict, pattern: str, dtype, sizes: tuple[int, ...], axis: int, *,
+                  mlp: bool = False) -> tuple[jax.Array, ...]:
+    """One product over a joined kernel (runtime/layer_layout.py: q/k/v, gate/up), its output split
+    along `axis` into parts of `sizes`: each part is the product of its own kernel."""
+    y = project(x, params, pattern, dtype, mlp=mlp)
+    return tuple(jnp.split(y, list(itertools.accumulate(sizes[:-1])), axis=axis))
 
 
 def weight(params: dict, dtype, *, mlp: bool = False, contracting: tuple[int, ...] = (0,)) -> jax.Array:
