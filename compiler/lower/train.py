@@ -147,6 +147,8 @@ def layered_optimizer(spec: ModelSpec, config: OptimizerConfig) -> optax.Gradien
         return plain
     axes = jax.tree.leaves(param_axes(spec), is_leaf=lambda a: isinstance(a, tuple))
     stacked = [a[:1] == ("layers",) for a in axes]
+    # Stacks of different depths (DeepSeek V3: 3 dense layers, 58 MoE, 1 MTP module) loop apart.
+    depths = [shape.shape[0] for shape in jax.tree.leaves(param_shapes(spec))]
     mask = jax.tree.leaves(weight_decay_mask(param_shapes(spec), param_axes(spec)))
     to_device, to_host = jax.memory.Space.Device, jax.memory.Space.Host
 
@@ -168,7 +170,10 @@ def layered_optimizer(spec: ModelSpec, config: OptimizerConfig) -> optax.Gradien
             return transform.update(g, inner, p, learning_rate=learning_rate)
 
         whole = [i for i, s in enumerate(stacked) if not s]
-        layered = [i for i, s in enumerate(stacked) if s]
+        stacks: dict[int, list[int]] = {}
+        for i, s in enumerate(stacked):
+            if s:
+                stacks.setdefault(depths[i], []).append(i)
         pick = lambda values, which: [values[i] for i in which]  # noqa: E731
         updates, (new_adam, decay_out, schedule_out) = apply(
             whole, pick(flat_grads, whole), [jax.device_put(m, to_device) for m in pick(mu, whole)],
@@ -179,16 +184,18 @@ def layered_optimizer(spec: ModelSpec, config: OptimizerConfig) -> optax.Gradien
             new_mu[i] = jax.device_put(new_adam.mu[slot], to_host)
             new_nu[i] = jax.device_put(new_adam.nu[slot], to_host)
 
-        def one_layer(_, layer):
-            g, m, v, p = layer
-            done, (layer_adam, _, _) = apply(layered, g, [jax.device_put(x, to_device) for x in m],
-                                             [jax.device_put(x, to_device) for x in v], p)
-            return None, (done, [jax.device_put(x, to_host) for x in layer_adam.mu],
-                          [jax.device_put(x, to_host) for x in layer_adam.nu])
+        def one_layer(layered):
+            def body(_, layer):
+                g, m, v, p = layer
+                done, (layer_adam, _, _) = apply(layered, g, [jax.device_put(x, to_device) for x in m],
+                                                 [jax.device_put(x, to_device) for x in v], p)
+                return None, (done, [jax.device_put(x, to_host) for x in layer_adam.mu],
+                              [jax.device_put(x, to_host) for x in layer_adam.nu])
+            return body
 
-        if layered:
+        for layered in stacks.values():
             _, (updates, layer_mu, layer_nu) = jax.lax.scan(
-                one_layer, None, tuple(pick(values, layered) for values in (flat_grads, mu, nu, flat_params)))
+                one_layer(layered), None, tuple(pick(values, layered) for values in (flat_grads, mu, nu, flat_params)))
             for slot, i in enumerate(layered):
                 flat_updates[i], new_mu[i], new_nu[i] = updates[slot], layer_mu[slot], layer_nu[slot]
         new_adam = adam._replace(count=new_adam.count, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu))
