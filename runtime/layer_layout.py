@@ -218,8 +218,11 @@ def per_layer_arrays(params: dict, shardings=None) -> dict:
     `mxc generate MODEL` both call it, and nothing here keeps the stacked or the split copy."""
     if all_per_layer(params):
         return params
-    from mxc.compiler.lower.choices import lowering_choices
+    if shardings is not None:
+        joined = has_joined(shardings)
+    else:  # `mxc generate MODEL`, which traces the spec: the compiler is loaded already
+        from mxc.compiler.lower.choices import lowering_choices
 
-    joined = has_joined(shardings) if shardings is not None else lowering_choices().joined_serving_projections
+        joined = lowering_choices().joined_serving_projections
     split = _per_layer_jitted(params, joined)
     return split if shardings is None else jax.device_put(split, shardings)

@@ -184,9 +184,10 @@ def test_two_processes_give_the_one_process_losses(workdir, artifact, tokens, re
     expected = [r["loss"] for r in read_metrics(reference[0])[:steps]]
     losses = [r["loss"] for r in read_metrics(workdir / "two_0.jsonl")]
     # The same data, parameters and program; gloo's cross-process all-reduce may sum in another
-    # order than XLA:CPU's in-process one, so equal up to float rounding (other data or another
+    # order than XLA:CPU's in-process one, so equal up to float rounding, which the steps amplify:
+    # 1.7e-5 relative by step 6 with CPU attention in query blocks (other data or another
     # initialisation would differ in the second digit).
-    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    np.testing.assert_allclose(losses, expected, rtol=5e-5)
     assert not (workdir / "two_1.jsonl").exists()  # only process 0 writes metrics
     assert sorted(int(p.name) for p in (workdir / "two_ckpt").iterdir() if p.name.isdigit()) == [steps]
 

@@ -135,9 +135,13 @@ def _tpu_child(mode: str) -> dict:
         one = SingleDeviceSharding(devices[0])
         params = place(param_shapes(spec), one)
         tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=one)
+        from mxc.compiler.lower.choices import LoweringChoices, use_lowering
+
         for impl in ("splash", "xla"):
             logits = jax.jit(lambda p, t: forward(spec, p, t, attention_impl=impl)[0])
-            compiled = logits.lower(params, tokens).compile()
+            # No mesh names the platform here (this process's backend is the CPU): the TPU's choices.
+            with use_lowering(LoweringChoices.for_platform("tpu")):
+                compiled = logits.lower(params, tokens).compile()
             report[impl] = {"temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
                             "kernels": compiled.as_text().count("tpu_custom_call")}
         return report
