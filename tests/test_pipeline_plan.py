@@ -27,6 +27,8 @@ def _plans(model: str, stages: int):
     kwargs = dict(seq=SEQ, batch=BATCH, remat="full", microbatches=MICROBATCHES, verify=False)
     staged = plan(spec, topology, pins={"stage": stages, "fsdp": 8 // stages}, **kwargs)
     flat = plan(spec, topology, pins={"stage": 1, "fsdp": 8}, **kwargs)
+    # The same MoE path on both (the planner takes dropless on fsdp 8, the capacity path with stages).
+    flat = flat.model_copy(update={"expert_path": staged.expert_path, "capacity_factor": staged.capacity_factor})
     return spec, staged, flat
 
 

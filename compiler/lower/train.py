@@ -148,7 +148,7 @@ def layered_optimizer(spec: ModelSpec, config: OptimizerConfig) -> optax.Gradien
     axes = jax.tree.leaves(param_axes(spec), is_leaf=lambda a: isinstance(a, tuple))
     stacked = [a[:1] == ("layers",) for a in axes]
     # Stacks of different depths (DeepSeek V3: 3 dense layers, 58 MoE, 1 MTP module) loop apart.
-    depths = [shape.shape[0] for shape in jax.tree.leaves(param_shapes(spec))]
+    depths = [shape.shape[0] if s else 0 for s, shape in zip(stacked, jax.tree.leaves(param_shapes(spec)))]
     mask = jax.tree.leaves(weight_decay_mask(param_shapes(spec), param_axes(spec)))
     to_device, to_host = jax.memory.Space.Device, jax.memory.Space.Host
 
