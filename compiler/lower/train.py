@@ -145,11 +145,12 @@ def layered_optimizer(spec: ModelSpec, config: OptimizerConfig) -> optax.Gradien
     plain = model_optimizer(spec, config)
     if config.freeze:
         return plain
-    axes = jax.tree.leaves(param_axes(spec), is_leaf=lambda a: isinstance(a, tuple))
+    shapes, axes_tree = param_shapes(spec), param_axes(spec)
+    axes = jax.tree.leaves(axes_tree, is_leaf=lambda a: isinstance(a, tuple))
     stacked = [a[:1] == ("layers",) for a in axes]
     # Stacks of different depths (DeepSeek V3: 3 dense layers, 58 MoE, 1 MTP module) loop apart.
-    depths = [shape.shape[0] if s else 0 for s, shape in zip(stacked, jax.tree.leaves(param_shapes(spec)))]
-    mask = jax.tree.leaves(weight_decay_mask(param_shapes(spec), param_axes(spec)))
+    depths = [shape.shape[0] if s else 0 for s, shape in zip(stacked, jax.tree.leaves(shapes))]
+    mask = jax.tree.leaves(weight_decay_mask(shapes, axes_tree))
     to_device, to_host = jax.memory.Space.Device, jax.memory.Space.Host
 
     def update(grads, state, params=None, *, learning_rate=None, **extra_args):
