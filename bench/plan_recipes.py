@@ -18,6 +18,14 @@ error are printed.
         --terms tests/data/calibration_terms.json --json bench.jsonl > bench.log 2>&1 &
     .venv/bin/python bench/plan_recipes.py --fit          # refit from the saved terms only
 
+Published results outside the fitted file (tests/data/published_mfu_heldout.json) run the same
+way with `--rows`; their terms go to tests/data/calibration_terms_heldout.json, and `--check`
+prints each row's estimate at the stated constants (FITTED) from those terms, fitting nothing:
+
+    ALLOW_MULTIPLE_LIBTPU_LOAD=1 nohup .venv/bin/python bench/plan_recipes.py \
+        --rows tests/data/published_mfu_heldout.json --no-auto > heldout.log 2>&1 &
+    .venv/bin/python bench/plan_recipes.py --rows tests/data/published_mfu_heldout.json --check
+
 Each compile of a full-size model for 256-512 chips takes 0.5-2 minutes of CPU and several GiB
 here; the rows run one at a time.
 """
@@ -34,10 +42,32 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 GIB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_ROWS = ROOT / "tests" / "data" / "published_mfu.json"
 DEFAULT_TERMS = ROOT / "tests" / "data" / "calibration_terms.json"
+HELDOUT_ROWS = ROOT / "tests" / "data" / "published_mfu_heldout.json"
+HELDOUT_TERMS = ROOT / "tests" / "data" / "calibration_terms_heldout.json"
 # Where a setting does not fit the real chip's HBM, its program is compiled for this chip (as
 # many devices, Google's core-counting name: v5p-512 is 256 chips) to read its costs.
 STAND_IN = {"v6e": "v5p", "v5e": "v5p"}
+
+
+def _terms_for(rows: Path) -> Path:
+    """Each rows file keeps its compiled terms in its own file, so that compiling the held-out
+    rows never writes into the fitted rows' terms."""
+    known = {DEFAULT_ROWS.resolve(): DEFAULT_TERMS, HELDOUT_ROWS.resolve(): HELDOUT_TERMS}
+    if rows.resolve() not in known:
+        sys.exit(f"--rows {rows}: give --terms FILE too (where its compiled terms are kept)")
+    return known[rows.resolve()]
+
+
+def _load(ref: str):
+    """A row's model: a zoo name, or `file.mspec:name` relative to the repository root."""
+    from mxc.spec.load import load_model
+
+    path, sep, name = ref.rpartition(":")
+    if sep and path.endswith(".mspec") and not Path(path).is_absolute():
+        ref = f"{ROOT / path}:{name}"
+    return load_model(ref)
 
 
 def _estimate_row(label: str, plan) -> dict:
@@ -72,15 +102,14 @@ def compile_rows(args) -> int:
     from mxc.compiler.plan.calibration import published_rows
     from mxc.compiler.plan.maxtext import plan_setting
     from mxc.compiler.topology import parse
-    from mxc.spec.load import load_model
 
     saved = json.loads(Path(args.terms).read_text()) if args.terms and Path(args.terms).exists() else {}
-    for row in published_rows():
+    for row in published_rows(Path(args.rows)):
         if args.only and args.only not in (row["model"], row["name"]):
             continue
         if args.skip_done and row["name"] in saved:
             continue
-        spec = load_model(row["model"])
+        spec = _load(row["model"])
         topology = parse(row["topology"], row["slices"])
         print(f"\n{row['name']}: {row['model']} on {row['topology']}"
               + (f" x {row['slices']} slices" if row["slices"] > 1 else "")
@@ -107,7 +136,7 @@ def compile_rows(args) -> int:
             _print(results[-1], row)
         if texts and args.hlo:
             Path(args.hlo).mkdir(parents=True, exist_ok=True)
-            (Path(args.hlo) / f"{row['model']}_{row['topology']}x{row['slices']}.hlo").write_text(texts[-1])
+            (Path(args.hlo) / _hlo_name(row)).write_text(texts[-1])
         if terms and args.terms:
             saved[row["name"]] = {"status": fixed.xla.status, "compiled_for": results[-1]["estimate_from"],
                                   "terms": terms[0].to_json()}
@@ -135,14 +164,13 @@ def reread_rows(args) -> int:
     from mxc.compiler.plan.maxtext import plan_setting
     from mxc.compiler.plan.verify import estimate_from_text, plan_mesh
     from mxc.compiler.topology import parse
-    from mxc.spec.load import load_model
 
     saved = json.loads(Path(args.terms).read_text())
-    for row in published_rows():
-        path = Path(args.reread) / f"{row['model']}_{row['topology']}x{row['slices']}.hlo"
+    for row in published_rows(Path(args.rows)):
+        path = Path(args.reread) / _hlo_name(row)
         if not path.exists():
             continue
-        spec, topology = load_model(row["model"]), parse(row["topology"], row["slices"])
+        spec, topology = _load(row["model"]), parse(row["topology"], row["slices"])
         fixed = plan_setting(spec, topology, row["tuning_params"], seq=row["seq"], verify=False)
         time, terms = estimate_from_text(spec, fixed, topology, path.read_text(), plan_mesh(fixed, topology))
         entry = saved.setdefault(row["name"], {"status": "fits", "compiled_for": f"compiled program (HLO from {path.name})"})
@@ -152,10 +180,31 @@ def reread_rows(args) -> int:
     return 0
 
 
+def _hlo_name(row: dict) -> str:
+    model = row["model"].rpartition(":")[2] or row["model"]  # a file's model: its name
+    return f"{model}_{row['topology']}x{row['slices']}.hlo"
+
+
+def check_rows(args) -> int:
+    """Each row's estimate at the stated constants from its saved terms: the held-out check
+    (nothing is fitted on these rows)."""
+    from mxc.compiler.plan.calibration import FITTED, calibration_rows
+
+    rows, skipped = calibration_rows(Path(args.terms), Path(args.rows))
+    for name, why in skipped:
+        print(f"not checked, {name}: {why}")
+    print(f"constants: {FITTED}")
+    print(f"{'row':<32}{'published':>10}{'estimated':>11}{'error':>8}")
+    for row in rows:
+        mfu = row.estimate(FITTED)
+        print(f"{row.name:<32}{row.published_mfu:>10.1%}{mfu:>11.1%}{mfu / row.published_mfu - 1:>+8.1%}")
+    return 0
+
+
 def fit_rows(args) -> int:
     from mxc.compiler.plan.calibration import FITTED, calibration_rows, leave_one_out
 
-    rows, skipped = calibration_rows(Path(args.terms))
+    rows, skipped = calibration_rows(Path(args.terms), Path(args.rows))
     for name, why in skipped:
         print(f"not fitted on {name}: {why}")
     constants, table = leave_one_out(rows)
@@ -177,13 +226,22 @@ def main() -> int:
     parser.add_argument("--maxtext-unverified", action="store_true",
                         help="do not compile MaxText's setting: its estimate is the formula's")
     parser.add_argument("--json", metavar="FILE", help="append one JSON line per compile")
-    parser.add_argument("--terms", default=str(DEFAULT_TERMS), metavar="FILE",
-                        help="where the compiled programs' cost terms are kept (default: %(default)s)")
+    parser.add_argument("--rows", default=str(DEFAULT_ROWS), metavar="FILE",
+                        help="the published rows (default: %(default)s; the held-out rows: "
+                             "tests/data/published_mfu_heldout.json)")
+    parser.add_argument("--terms", metavar="FILE",
+                        help="where the compiled programs' cost terms are kept (default: the rows file's own, "
+                             "calibration_terms.json or calibration_terms_heldout.json)")
     parser.add_argument("--hlo", metavar="DIR", help="also keep each compiled program's HLO text here")
     parser.add_argument("--reread", metavar="DIR", help="recompute the saved terms from the HLO kept in DIR")
     parser.add_argument("--skip-done", action="store_true", help="skip rows whose terms are saved already")
     parser.add_argument("--fit", action="store_true", help="fit the constants on the saved terms; compile nothing")
+    parser.add_argument("--check", action="store_true",
+                        help="each row's estimate at the stated constants from the saved terms; compile nothing")
     args = parser.parse_args()
+    args.terms = args.terms or str(_terms_for(Path(args.rows)))
+    if args.check:
+        return check_rows(args)
     if args.reread:
         return reread_rows(args)
     return fit_rows(args) if args.fit else compile_rows(args)

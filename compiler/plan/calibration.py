@@ -117,13 +117,16 @@ def published_rows(path: Path | None = None) -> list[dict]:
     return json.loads((path or DATA / "published_mfu.json").read_text())["rows"]
 
 
-def calibration_rows(terms_path: Path | None = None) -> tuple[list[Row], list[tuple[str, str]]]:
-    """(rows with a compiled program to fit on, (name, why) of the rows without one)."""
+def calibration_rows(terms_path: Path | None = None,
+                     rows_path: Path | None = None) -> tuple[list[Row], list[tuple[str, str]]]:
+    """(rows with a compiled program to fit on, (name, why) of the rows without one). `rows_path`
+    and `terms_path` name another pair of files: the held-out rows (published_mfu_heldout.json,
+    calibration_terms_heldout.json), checked at FITTED, never fitted on."""
     from mxc.compiler.plan.cost import ProgramTerms, program_mfu
 
     saved = json.loads((terms_path or DATA / "calibration_terms.json").read_text())
     rows, skipped = [], []
-    for row in published_rows():
+    for row in published_rows(rows_path):
         entry = saved.get(row["name"])
         if entry is None:
             skipped.append((row["name"], "MaxText's setting was not compiled"))

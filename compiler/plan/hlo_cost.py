@@ -355,36 +355,53 @@ class ProgramCost:
 
 def trip_count(loop: Instruction, computations: dict[str, Computation], caller: Computation) -> int:
     """A while loop's iterations: its condition compares the counter with a constant (`i < N`);
-    the counter starts at the init tuple's first element when that is a constant, else 0."""
+    the counter starts at its init tuple element when that is a constant, else 0, and steps by what
+    the body adds to it. The counter is the tuple element the condition reads: element 0 in the
+    loops jax writes, element 4 in XLA's windowed-einsum loops (an FSDP gather fused with its
+    matmul), which count by 2."""
     condition = computations.get(dict(_CALLEES.findall(loop.attributes)).get("condition", ""))
     if condition is None:
         return 1
-    bound = None
+    bound, index = None, 0
     for instruction in condition.instructions:
         if instruction.opcode == "compare" and "direction=LT" in instruction.attributes:
             for operand in instruction.operands:
-                bound = _literal(condition, operand)
-                if bound is not None:
-                    break
+                value = _literal(condition, operand)
+                if value is not None:
+                    bound = value
+                else:
+                    index = _element_read(condition, operand)
+            if bound is not None:
+                break
     if bound is None:
         return 1
     start = 0
     init = next((i for i in caller.instructions if i.name == (loop.operands or [""])[0]), None)
-    if init is not None and init.opcode == "tuple" and init.operands:
-        start = _literal(caller, init.operands[0]) or 0
-    return max(-(-(bound - start) // _counter_step(loop, computations)), 1)
+    if init is not None and init.opcode == "tuple" and len(init.operands) > index:
+        start = _literal(caller, init.operands[index]) or 0
+    return max(-(-(bound - start) // _counter_step(loop, computations, index)), 1)
 
 
-def _counter_step(loop: Instruction, computations: dict[str, Computation]) -> int:
-    """How much the body adds to the counter (tuple element 0) each iteration: more than 1 where
-    XLA unrolled the loop."""
+def _element_read(computation: Computation, name: str) -> int:
+    """The tuple element `name` reads (a get-tuple-element of the loop's state); 0 otherwise."""
+    instruction = next((i for i in computation.instructions if i.name == name), None)
+    if instruction is not None and instruction.opcode == "get-tuple-element":
+        found = re.search(r"index=(\d+)", instruction.attributes)
+        if found:
+            return int(found.group(1))
+    return 0
+
+
+def _counter_step(loop: Instruction, computations: dict[str, Computation], index: int = 0) -> int:
+    """How much the body adds to the counter (tuple element `index`) each iteration: more than 1
+    where XLA unrolled the loop."""
     body = computations.get(dict(_CALLEES.findall(loop.attributes)).get("body", ""))
     if body is None or not body.instructions:
         return 1
     root = body.instructions[-1]
-    if root.opcode != "tuple" or not root.operands:
+    if root.opcode != "tuple" or len(root.operands) <= index:
         return 1
-    counter = next((i for i in body.instructions if i.name == root.operands[0]), None)
+    counter = next((i for i in body.instructions if i.name == root.operands[index]), None)
     if counter is None or counter.opcode != "add":
         return 1
     steps = [_literal(body, operand) for operand in counter.operands]
