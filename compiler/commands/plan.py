@@ -25,9 +25,11 @@ def register(subparsers) -> None:
     add_planning_arguments(parser)
     parser.add_argument("--attempts", type=int, default=3, metavar="N",
                         help="candidates to compile before giving up (default 3)")
-    parser.add_argument("--compare", type=int, default=1, metavar="K",
+    parser.add_argument("--compare", default="auto", metavar="K",
                         help="compile until K candidates fit (within --attempts) and keep the fastest by its "
-                             "compiled program's estimate, not the formula's (default 1: the first that fits)")
+                             "compiled program's estimate, not the formula's; 'auto' (the default): on TPUs, the first "
+                             "that fits and the next within 2%% of its formula step time, within --attempts "
+                             "and 10 minutes of planning")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip compiling: the analytic prediction alone decides")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -144,8 +146,9 @@ def handler(args: argparse.Namespace) -> int:
 
     if args.attempts < 1:
         raise UserError(f"--attempts must be a positive number, not {args.attempts}")
-    if args.compare < 1:
-        raise UserError(f"--compare must be a positive number, not {args.compare}")
+    compare = args.compare if args.compare == "auto" else int(args.compare) if args.compare.isdigit() else 0
+    if compare == 0:
+        raise UserError(f"--compare must be 'auto' or a positive number, not {args.compare}")
     pins = parse_pins(args.pin)
     try:
         topology = parse(args.topology, args.slices)
@@ -162,7 +165,7 @@ def handler(args: argparse.Namespace) -> int:
         try:
             result = plan(spec, topology, seq=seq, batch=batch, pins=pins, remat=args.remat,
                           microbatches=args.microbatches, verify=not args.no_verify, attempts=args.attempts,
-                          compare=args.compare, progress=say)
+                          compare=compare, progress=say)
         except PlanError as err:
             raise UserError(str(err)) from None
     if args.output:

@@ -24,6 +24,13 @@ class Verdicts:
         verdict: Verification | None = self.verdicts.get(item.choice)
         if verdict is not None and verdict.status in ("rejected", "over_hbm"):
             return verdict.reason
+        ours = self.verdicts.get(chosen.choice)
+        if verdict is not None and verdict.status == "fits" and verdict.time is not None and ours is not None \
+                and ours.time is not None:
+            # Both compiled and fit: their programs ranked them, not the formula.
+            slower = verdict.time.step_s / ours.time.step_s - 1
+            return (f"fits; {slower:.1%} slower by the compiled programs ({duration(verdict.time.step_s)} vs "
+                    f"{duration(ours.time.step_s)} a step)")
         if item.choice in self.passed:
             return self.passed[item.choice]
         if item.memory.total > self.hbm:
