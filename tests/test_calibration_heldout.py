@@ -1,0 +1,86 @@
+"""The calibrated step-time model on published MaxText results it was not fitted on
+(tests/data/published_mfu_heldout.json): each row's MaxText setting compiled through `--maxtext`
+(bench/plan_recipes.py --rows ..., terms in tests/data/calibration_terms_heldout.json), its MFU
+estimated at the stated constants (FITTED) and set against the published MFU. Nothing is fitted
+here. Fast: no compile, the estimates come from the saved terms (docs/plans.md, "Published
+results outside the fit")."""
+
+import functools
+import math
+
+import pytest
+
+from mxc.compiler.plan.calibration import DATA, FITTED, calibration_rows, published_rows
+
+ROWS = DATA / "published_mfu_heldout.json"
+TERMS = DATA / "calibration_terms_heldout.json"
+# Each compiled row's relative error of the estimated MFU at FITTED, as docs/plans.md shows them.
+ERRORS = {
+    "MaxText 32B, v5p-128": -0.181,
+    "MaxText 128B, v5p-256": -0.221,
+    "MaxText 32B, 2 x v5p-128": -0.142,
+    "Llama 2 70B, v6e-256": 0.102,
+    "MaxText 16B, v5e-256": -0.072,
+    "MaxText 32B, v5e-256": -0.157,
+}
+# What the issue asks of every row.
+TARGET = 0.15
+# Rows outside the target, with their error (docs/plans.md): MaxText's December 2023 scaling
+# rows read slower than published. On v5p the matmuls alone take 8.4-8.5 s at FITTED, and the
+# memory-bound kernels (2.3-2.5 s) and the synchronous sequence-parallel gathers (1.2-1.4 s) add
+# to them, where the published step is 9.9-10.2 s; on v5e (full remat) the matmuls alone take
+# 12.3 s at FITTED, as long as the whole published step (12.3 s).
+OUTSIDE = {"MaxText 32B, v5p-128": -0.181, "MaxText 128B, v5p-256": -0.221, "MaxText 32B, v5e-256": -0.157}
+# Rows whose MaxText setting XLA does not compile here, and why.
+NOT_COMPILED = {
+    "MaxText 64B, v5p-128": "XLA: out of HBM, its temporaries need 96.46 GiB of 95.73 GiB (v5p is the largest chip: no stand-in)",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _rows():
+    rows, skipped = calibration_rows(TERMS, ROWS)
+    return {row.name: row for row in rows}, dict(skipped)
+
+
+def test_every_heldout_row_is_compiled_or_named_with_its_reason():
+    rows, skipped = _rows()
+    assert set(skipped) == set(NOT_COMPILED)
+    assert set(rows) | set(skipped) == {row["name"] for row in published_rows(ROWS)}
+
+
+def test_each_rows_error_at_the_fitted_constants():
+    # Moving a constant in calibration.py, or a row's terms, fails here.
+    rows, _ = _rows()
+    errors = {name: round(row.estimate(FITTED) / row.published_mfu - 1, 3) for name, row in rows.items()}
+    assert errors == ERRORS
+
+
+def test_within_the_target_or_a_named_exception():
+    rows, _ = _rows()
+    for name, row in rows.items():
+        error = row.estimate(FITTED) / row.published_mfu - 1
+        assert abs(error) <= abs(OUTSIDE.get(name, TARGET)) + 5e-4, (name, error)
+
+
+def _maxtext_scales(scale: int) -> tuple[int, int, int, int]:
+    """MaxText's global_parameter_scale rule (MaxText/pyconfig.py at 76bd53b0f,
+    get_individual_scales): doublings of (embed, heads, mlp, layers)."""
+    base, rem = divmod(int(math.log2(scale)), 3)
+    heads = base + int(rem > 0)
+    return base + int(rem > 1), heads, heads, base
+
+
+@pytest.mark.parametrize("scale", [16, 32, 64, 128])
+def test_the_synthetic_models_follow_maxtexts_scale_rule(scale):
+    from mxc.compiler.analysis import summarize
+    from mxc.spec.load import load_model
+
+    spec = load_model(f"{DATA / 'maxtext_synthetic.mspec'}:maxtext-{scale}b")
+    emb, heads, mlp, layers = _maxtext_scales(scale)
+    (block,) = spec.blocks.values()
+    # base.yml of that commit: base_emb_dim 2560, base_num_heads 8, base_mlp_dim 8192,
+    # base_num_decoder_layers 16.
+    assert (spec.d_model, block.attention.heads, block.mlp.hidden) == (2560 << emb, 8 << heads, 8192 << mlp)
+    assert summarize(spec).num_layers == 16 << layers
+    assert abs(summarize(spec).total_params / (scale * 1e9) - 1) < 0.02
