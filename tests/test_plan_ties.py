@@ -57,7 +57,7 @@ def test_near_ties_are_compiled_and_the_fastest_program_kept(monkeypatch, llama2
     ties = [r for r in result.reasons if r.startswith("tie compiled: fsdp 256")]
     assert len(ties) == 2 and "+0.8% by the formula" in ties[1]
     lost = {(c.remat, c.microbatches): c.lost_because for c in result.candidates}
-    assert lost[("minimal_with_context", 4)].startswith("fits; 2.3% slower by the compiled programs")
+    assert lost[("minimal_with_context", 4)].startswith("2.3% slower by the compiled programs (24.7 s vs 24.1 s a step; both fit)")
 
 
 def test_an_explicit_compare_1_stops_at_the_first_that_fits(monkeypatch, llama2_70b):

@@ -29,8 +29,8 @@ class Verdicts:
                 and ours.time is not None:
             # Both compiled and fit: their programs ranked them, not the formula.
             slower = verdict.time.step_s / ours.time.step_s - 1
-            return (f"fits; {slower:.1%} slower by the compiled programs ({duration(verdict.time.step_s)} vs "
-                    f"{duration(ours.time.step_s)} a step)")
+            return (f"{slower:.1%} slower by the compiled programs ({duration(verdict.time.step_s)} vs "
+                    f"{duration(ours.time.step_s)} a step; both fit)")
         if item.choice in self.passed:
             return self.passed[item.choice]
         if item.memory.total > self.hbm:
