@@ -148,10 +148,11 @@ def test_vocab_tiling_and_optimizer_offload_map_to_the_loss_in_pieces_and_the_st
     assert before["lowering"]["loss_chunks"] == 1 and "optimizer_state_on_host" not in before["lowering"]
     assert after["lowering"]["loss_chunks"] == 16 and after["lowering"]["optimizer_state_on_host"] is True
     # The moments go to host memory (twice: the updated layers' are written to a second buffer),
-    # HBM holding a share of them during the update (memory.py's MOMENTS_IN_HBM_WHEN_ON_HOST).
+    # HBM holding a share of them during the update (memory.py's MOMENTS_IN_HBM_WHEN_ON_HOST);
+    # the norms' pieces (16 floats a device) stay in HBM (optimizer.host_tiles_accept).
     moments = before["predicted"]["optimizer_state"]
     assert 0 < after["predicted"]["optimizer_state"] < moments / 4
-    assert after["predicted"]["host"] == before["predicted"]["host"] + 2 * moments
+    assert 0.9999 * 2 * moments < after["predicted"]["host"] - before["predicted"]["host"] < 2 * moments
     assert after["time"]["communication"]["optimizer state over the host link"] > 0
     assert after["time"]["step_s"] > before["time"]["step_s"]
     main([*args, "--explain", *recipe, "--maxtext", "num_vocab_tiling=16", "--maxtext", "optimizer_memory_host_offload=true"])

@@ -12,6 +12,8 @@ peak learning rate, which is the common 3e-4 rather than MaxText's fine-tuning-s
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -127,3 +129,27 @@ def adamw_after_clipping(config: OptimizerConfig, decay_mask=None) -> optax.Grad
         optax.add_decayed_weights(config.weight_decay, weight_decay_mask if decay_mask is None else decay_mask),
         scale_by_given_rate(learning_rate_schedule(config)),
     )
+
+
+# A layer's piece of a moment under this many elements stays in HBM where the plan keeps the
+# moments on host: it saves nothing worth having, and libtpu refuses some such updates ("Updating
+# the lane dimension is only supported when ..." on a stack of [32] or [32, 2, 16] pieces).
+SMALLEST_HOSTED_PIECE = 4096
+
+
+def host_tiles_accept(local_shape: tuple[int, ...], stacked: bool) -> bool:
+    """Whether libtpu compiles a moment with this per-device shape in host memory, updated as
+    train.layered_optimizer updates it (a stacked one a layer at a time). Its host layouts take
+    (8,128) tiles of the last two dimensions of a layer's piece: with one of them neither a
+    multiple of 8 nor at most 4 (DeepSeek V3's 7168 split 256 ways: 28) the compile fails
+    ("Bitcast cannot have different shape sizes" on a one-layer stack, "layout does not match any
+    allowed tile kind" at a deeper stack's dynamic slice), and a vector's piece needs whole lane
+    rows (128). Found by compiling such updates for v5p (docs/plans.md, "Optimizer state on
+    host"); the moments this refuses stay in HBM, which the planner counts
+    (memory.hosted_moment_bytes)."""
+    piece = local_shape[1:] if stacked else local_shape
+    if math.prod(piece) < SMALLEST_HOSTED_PIECE:
+        return False
+    if len(piece) == 1:
+        return piece[0] % 128 == 0
+    return all(dim % 8 == 0 or dim <= 4 for dim in piece[-2:])

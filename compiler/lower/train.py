@@ -21,6 +21,7 @@ any number of microbatches gives the same update as one big batch, up to float e
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -163,6 +164,10 @@ def layered_optimizer(spec: ModelSpec, config: OptimizerConfig) -> optax.Gradien
             adam, decay, schedule = state
         flat_grads, treedef = jax.tree.flatten(grads)
         flat_params, mu, nu = (treedef.flatten_up_to(tree) for tree in (params, adam.mu, adam.nu))
+        # train_state_shardings keeps in HBM the moments libtpu cannot lay out in host memory;
+        # each goes back where it came from.
+        hosted = [jax.typeof(m).memory_space == to_host for m in mu]
+        back = lambda x, i: jax.device_put(x, to_host) if hosted[i] else x  # noqa: E731
 
         def apply(which, g, m, v, p):
             """adamw on the parameters `which` (lists of their gradients, moments, values)."""
@@ -182,16 +187,15 @@ def layered_optimizer(spec: ModelSpec, config: OptimizerConfig) -> optax.Gradien
         flat_updates, new_mu, new_nu = [None] * len(stacked), list(mu), list(nu)
         for slot, i in enumerate(whole):
             flat_updates[i] = updates[slot]
-            new_mu[i] = jax.device_put(new_adam.mu[slot], to_host)
-            new_nu[i] = jax.device_put(new_adam.nu[slot], to_host)
+            new_mu[i], new_nu[i] = back(new_adam.mu[slot], i), back(new_adam.nu[slot], i)
 
         def one_layer(layered):
             def body(_, layer):
                 g, m, v, p = layer
                 done, (layer_adam, _, _) = apply(layered, g, [jax.device_put(x, to_device) for x in m],
                                                  [jax.device_put(x, to_device) for x in v], p)
-                return None, (done, [jax.device_put(x, to_host) for x in layer_adam.mu],
-                              [jax.device_put(x, to_host) for x in layer_adam.nu])
+                return None, (done, [back(x, i) for x, i in zip(layer_adam.mu, layered)],
+                              [back(x, i) for x, i in zip(layer_adam.nu, layered)])
             return body
 
         for layered in stacks.values():
@@ -351,6 +355,21 @@ def abstract_train_state(spec: ModelSpec, config: OptimizerConfig) -> TrainState
                           jax.ShapeDtypeStruct((), jnp.int32))
 
 
+def _moment_sharding(sharding, param, axes: tuple):
+    """Where a plan keeps the moments on host, one moment's sharding: in host memory where the
+    target compiles it there (on a TPU, optimizer.host_tiles_accept), else in HBM."""
+    from mxc.compiler.lower.optimizer import host_tiles_accept
+
+    if sharding.mesh.devices.flat[0].platform == "tpu":
+        splits = [math.prod(sharding.mesh.shape[name] for name in
+                            ((entry,) if isinstance(entry, str) else (entry or ())))
+                  for entry in (*sharding.spec, *[None] * (len(param.shape) - len(sharding.spec)))]
+        local = tuple(-(-dim // split) for dim, split in zip(param.shape, splits))
+        if not host_tiles_accept(local, axes[:1] == ("layers",)):
+            return sharding
+    return sharding.with_memory_kind("pinned_host")
+
+
 def train_state_shardings(spec: ModelSpec, config: OptimizerConfig, mesh, rules, *,
                           moments_on_host: bool = False) -> TrainState:
     """NamedShardings for every leaf of the train state: the optimizer's moments are laid out
@@ -359,9 +378,10 @@ def train_state_shardings(spec: ModelSpec, config: OptimizerConfig, mesh, rules,
     from mxc.compiler.lower.params import param_axes
 
     abstract = abstract_train_state(spec, config)
-    params = tree_shardings(param_axes(spec), mesh, rules)
+    axes = param_axes(spec)
+    params = tree_shardings(axes, mesh, rules)
     replicated = named_sharding((), mesh, rules)
-    moments = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), params) if moments_on_host else params
+    moments = jax.tree.map(_moment_sharding, params, abstract.params, axes) if moments_on_host else params
     found = []
 
     def map_slots():

@@ -173,9 +173,11 @@ def with_optimizer_on_host(scored: list[Scored], hbm: int) -> list[Scored]:
     is for plans the state keeps out of HBM (MaxText's optimizer_memory_host_offload; the host
     budget is checked as for offloaded activations, memory.host_budget)."""
     def worth_a_twin(s: Scored) -> bool:  # over HBM, and within it with the moments' saving
-        saved = (1 - memory.MOMENTS_IN_HBM_WHEN_ON_HOST) * s.memory.optimizer_state
-        return (s.memory.total > hbm >= s.memory.total - saved and not s.choice.optimizer_on_host
-                and s.choice.topology.platform == "tpu" and s.choice.topology.chip.name in memory.HOST_MEMORY_PER_CHIP)
+        if (s.memory.total <= hbm or s.choice.optimizer_on_host or s.choice.topology.platform != "tpu"
+                or s.choice.topology.chip.name not in memory.HOST_MEMORY_PER_CHIP):
+            return False
+        saved = (1 - memory.MOMENTS_IN_HBM_WHEN_ON_HOST) * memory.hosted_moment_bytes(s.choice)
+        return hbm >= s.memory.total - saved
 
     return scored + [score(replace(s.choice, optimizer_on_host=True)) for s in scored if worth_a_twin(s)]
 

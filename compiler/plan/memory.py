@@ -103,6 +103,20 @@ def optimizer_state_bytes(choice: Choice) -> int:
     return ADAM_MOMENTS * parameter_bytes(choice)
 
 
+def hosted_moment_bytes(choice: Choice) -> int:
+    """The moments a plan with them on host (Choice.optimizer_on_host) keeps there, on one device:
+    on a TPU, those of the parameters whose per-device pieces libtpu lays out in host memory
+    (optimizer.host_tiles_accept, as train.train_state_shardings places them); the rest stay in HBM."""
+    from mxc.compiler.lower.optimizer import host_tiles_accept
+
+    if choice.topology.platform != "tpu":
+        return optimizer_state_bytes(choice)
+    return choice.memo("hosted_moment_bytes", lambda: ADAM_MOMENTS * choice.param_bytes * sum(
+        choice.local(t.shape, t.axes) for t in choice.params.tensors
+        if host_tiles_accept(tuple(-(-dim // count) for dim, count in zip(t.shape, choice.counts(t.axes))),
+                             t.axes[:1] == ("layers",))))
+
+
 def parameter_bytes(choice: Choice) -> int:
     return choice.memo("parameter_bytes", lambda: sum(choice.local(t.shape, t.axes) for t in choice.params.tensors)
                        * choice.param_bytes)
@@ -162,7 +176,8 @@ def predict(choice: Choice) -> Memory:
     temporaries, irreducible = temporaries_asked(choice, host)
     gradients = parameters * (2 if choice.microbatches > 1 else 1)
     moments = optimizer_state_bytes(choice)
-    moments_on_device = int(MOMENTS_IN_HBM_WHEN_ON_HOST * moments) if choice.optimizer_on_host else moments
+    hosted = hosted_moment_bytes(choice) if choice.optimizer_on_host else 0
+    moments_on_device = moments - hosted + int(MOMENTS_IN_HBM_WHEN_ON_HOST * hosted)
     if choice.mesh.get("stage", 1) == 1:  # stages.adjust_memory has its own temporaries
         beside = parameters + moments_on_device + gradients + device
         temporaries = squeezed(temporaries, irreducible, choice.topology.usable_hbm_bytes, beside)
@@ -172,7 +187,7 @@ def predict(choice: Choice) -> Memory:
         gradients=gradients,
         activations=device,
         temporaries=int(temporaries),
-        host=host + (MOMENT_COPIES_ON_HOST * moments if choice.optimizer_on_host else 0),
+        host=host + MOMENT_COPIES_ON_HOST * hosted,
     ))
 
 
