@@ -182,6 +182,21 @@ def with_optimizer_on_host(scored: list[Scored], hbm: int) -> list[Scored]:
     return scored + [score(replace(s.choice, optimizer_on_host=True)) for s in scored if worth_a_twin(s)]
 
 
+def condemned_with_moments_on_host(item: Scored, refused: list) -> str:
+    """Why an earlier refusal passes over `item` for keeping AdamW's moments on host ("" where none
+    does): `refused` holds (candidate, its verdict) for the candidates XLA refused. A refusal of an
+    on-host candidate that is not for memory (libtpu rejecting the host layouts: DeepSeek V3 671B on
+    v5p-1024 before optimizer.host_tiles_accept, all 8 candidates of --attempts 8 with one
+    bitcast error) speaks against the lever, not the mesh, so the other on-host candidates go."""
+    if not item.choice.optimizer_on_host:
+        return ""
+    for other, verdict in refused:
+        if other.choice.optimizer_on_host and verdict.status == "rejected" and not verdict.out_of_memory:
+            return (f"passed over: XLA refused {describe(other.choice)} with AdamW's moments on host, "
+                    f"not for memory ({verdict.reason[:120]}); this one keeps them there too")
+    return ""
+
+
 def sequence_parallel_applies(mesh: Mapping[str, int], seq: int, pinned_rules: Mapping) -> bool:
     """Whether splitting the residual stream's sequence over tensor is a distinct candidate: there
     is a tensor axis, the sequence divides over it and context, and the spec does not pin it."""

@@ -12,7 +12,8 @@ from typing import Callable, Iterator, Mapping
 
 from mxc.compiler.plan import memory
 from mxc.compiler.plan.advice import advice
-from mxc.compiler.plan.candidates import (Scored, attention_for, choices, describe, expert_settings, fits,
+from mxc.compiler.plan.candidates import (Scored, attention_for, choices, condemned_with_moments_on_host,
+                                          describe, expert_settings, fits,
                                           gib, on_capacity_path, rank, score, uses_memory_lever,
                                           with_optimizer_on_host, without_needless_pieces)
 from mxc.compiler.plan.choice import Choice
@@ -159,6 +160,9 @@ def plan(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, pins: Map
     if len(fitted) > 1:
         reasons.append("ranked by their compiled programs' estimates among the " + str(len(fitted)) + " that fit: "
                        + ", ".join(f"{describe(c.choice)} {_compiled_step_s(c, verdicts[c.choice]):.2f} s"
+                                   + ("" if verdicts[c.choice].time is None or verdicts[c.choice].time.mfu <= 1 else
+                                      f" (the formula's: its program reads {verdicts[c.choice].time.mfu:.0%} MFU, "
+                                      "above the chip's peak)")
                                    for c in fitted))
     if verdict.status not in ("fits", "unavailable", "skipped"):
         reasons.append(f"XLA refused every candidate tried ({len(verdicts)}); shown: the fastest predicted. "
@@ -168,8 +172,13 @@ def plan(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, pins: Map
 
 
 def _compiled_step_s(candidate: Scored, verdict: Verification) -> float:
-    """The step time from the compiled program where XLA's program could be read, else the formula's."""
-    return verdict.time.step_s if verdict.time is not None else candidate.time.step_s
+    """The step time from the compiled program where XLA's program could be read, else the formula's.
+    An estimate above the chip's peak (MFU over 1) cannot be a whole program's: the reader missed
+    part of it (Llama 2 70B with AdamW's moments on host once read 0.82 s against 24.6 s by the
+    formula), so the formula's stands in."""
+    if verdict.time is not None:
+        return verdict.time.step_s
+    return candidate.time.step_s
 
 
 def evaluate(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, mesh: Mapping[str, int],
@@ -233,7 +242,8 @@ def _to_compile(fitting: list[Scored], verdicts: dict, attempts: int,
     while pending and tried < attempts:
         item = pending.pop(0)
         refused = [r for r in fitting if r.choice in verdicts and verdicts[r.choice].out_of_memory]
-        why = _condemned(item, refused)
+        why = _condemned(item, refused) or condemned_with_moments_on_host(
+            item, [(r, verdicts[r.choice]) for r in fitting if r.choice in verdicts])
         if why:
             if passed is not None:
                 passed[item.choice] = why
