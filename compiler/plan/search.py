@@ -176,7 +176,7 @@ def _compiled_step_s(candidate: Scored, verdict: Verification) -> float:
     An estimate above the chip's peak (MFU over 1) cannot be a whole program's: the reader missed
     part of it (Llama 2 70B with AdamW's moments on host once read 0.82 s against 24.6 s by the
     formula), so the formula's stands in."""
-    if verdict.time is not None:
+    if verdict.time is not None and verdict.time.mfu <= 1:
         return verdict.time.step_s
     return candidate.time.step_s
 
