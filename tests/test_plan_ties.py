@@ -103,3 +103,5 @@ def test_an_estimate_above_the_chips_peak_does_not_win_the_tie(monkeypatch, llam
     assert (result.remat, result.microbatches, result.time.step_s) == ("save_dot_except_mlpwi", 1, 24.13)
     ranked = next(r for r in result.reasons if r.startswith("ranked by"))
     assert "above the chip's peak" in ranked
+    lost = {(c.remat, c.microbatches): c.lost_because for c in result.candidates}
+    assert "above the chip's peak (not read whole)" in lost[("save_dot_with_context_except_mlp", 1)]

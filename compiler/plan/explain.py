@@ -36,6 +36,11 @@ class Verdicts:
             slower = verdict.time.step_s / ours.time.step_s - 1
             return (f"{slower:.1%} slower by the compiled programs ({duration(verdict.time.step_s)} vs "
                     f"{duration(ours.time.step_s)} a step; both fit)")
+        if verdict is not None and verdict.status == "fits" and verdict.time is not None and not _readable(verdict) \
+                and ours is not None and _readable(ours):
+            return (f"fits, but its compiled program reads {verdict.time.mfu:.0%} MFU, above the chip's peak (not read "
+                    f"whole); by the formula {duration(item.time.step_s)} against {duration(ours.time.step_s)} "
+                    "compiled a step")
         if item.choice in self.passed:
             return self.passed[item.choice]
         if item.memory.total > self.hbm:
