@@ -22,15 +22,27 @@ ERRORS = {
     "Llama 2 70B, v6e-256": 0.102,
     "MaxText 16B, v5e-256": -0.072,
     "MaxText 32B, v5e-256": -0.157,
+    "MaxText 128B, v5p-512": -0.264,
+    "MaxText 128B, 2 x v5p-256": -0.163,
+    "MaxText 16B, 2 x v5e-256": -0.071,
+    "MaxText 32B, 2 x v5e-256": -0.154,
 }
 # What the issue asks of every row.
 TARGET = 0.15
 # Rows outside the target, with their error (docs/plans.md): MaxText's December 2023 scaling
-# rows read slower than published. On v5p the matmuls alone take 8.4-8.5 s at FITTED, and the
-# memory-bound kernels (2.3-2.5 s) and the synchronous sequence-parallel gathers (1.2-1.4 s) add
-# to them, where the published step is 9.9-10.2 s; on v5e (full remat) the matmuls alone take
-# 12.3 s at FITTED, as long as the whole published step (12.3 s).
-OUTSIDE = {"MaxText 32B, v5p-128": -0.181, "MaxText 128B, v5p-256": -0.221, "MaxText 32B, v5e-256": -0.157}
+# rows read slower than published. On v5p the matmuls alone take 8.4-8.9 s at FITTED (128B on
+# v5p-512: 6.3 s, with 5.5 s of memory-bound kernels), and the memory-bound kernels (1.7-2.5 s)
+# and the synchronous sequence-parallel gathers (1.2-1.7 s) add to them, where the published step
+# is 9.9-10.6 s; on v5e (full remat) the 32B matmuls alone take 12.3-12.6 s at FITTED, as long as
+# the whole published step (12.3-12.7 s).
+OUTSIDE = {
+    "MaxText 32B, v5p-128": -0.181,
+    "MaxText 128B, v5p-256": -0.221,
+    "MaxText 32B, v5e-256": -0.157,
+    "MaxText 128B, v5p-512": -0.264,
+    "MaxText 128B, 2 x v5p-256": -0.163,
+    "MaxText 32B, 2 x v5e-256": -0.154,
+}
 # Rows whose MaxText setting XLA does not compile here, and why.
 NOT_COMPILED = {
     "MaxText 64B, v5p-128": "XLA: out of HBM, its temporaries need 96.46 GiB of 95.73 GiB (v5p is the largest chip: no stand-in)",
