@@ -61,3 +61,39 @@ def test_a_stacked_buffer_sliced_in_a_nested_fusion_moves_one_layer():
     cost = hlo_cost.program_cost(NESTED_SLICE, 1)
     layer = 1024 * 128 * 2
     assert cost.hbm_bytes == 3 * layer + 4
+
+
+PADDED_WINDOW = """HloModule padded
+%window (q0: s32[], q1: bf16[1024,1,4096]) -> bf16[1024,2,256] {
+  %q1 = bf16[1024,1,4096]{2,1,0} parameter(1)
+  %ninf = bf16[] constant(-inf)
+  %pad = bf16[1024,2,4096]{2,1,0} pad(%q1, %ninf), padding=0_0x0_1x0_0
+  %z = s32[] constant(0)
+  %q0 = s32[] parameter(0)
+  ROOT %ds = bf16[1024,2,256]{2,1,0} dynamic-slice(%pad, %z, %z, %q0), dynamic_slice_sizes={1024,2,256}
+}
+
+%matmul (p0: s32[], p1: bf16[1024,1,4096], p2: bf16[512,2,256]) -> bf16[1024,512] {
+  %p0 = s32[] parameter(0)
+  %p1 = bf16[1024,1,4096]{2,1,0} parameter(1)
+  %p2 = bf16[512,2,256]{2,1,0} parameter(2)
+  %w = bf16[1024,2,256]{2,1,0} fusion(%p0, %p1), kind=kLoop, calls=%window
+  ROOT %d = bf16[1024,512]{1,0} dot(%w, %p2), lhs_contracting_dims={1,2}, rhs_contracting_dims={1,2}
+}
+
+ENTRY %main (i: s32[], a: bf16[1024,1,4096], b: bf16[512,2,256]) -> bf16[1024,512] {
+  %i = s32[] parameter(0)
+  %a = bf16[1024,1,4096]{2,1,0} parameter(1)
+  %b = bf16[512,2,256]{2,1,0} parameter(2)
+  ROOT %k = bf16[1024,512]{1,0} fusion(%i, %a, %b), kind=kOutput, calls=%matmul
+}
+"""
+
+
+def test_a_window_of_a_padded_operand_reads_the_window():
+    # XLA's windowed einsums pad an activation shard and slice one window of it per iteration
+    # (MaxText's 128B setting on v5p-512, docs/plans.md "Published results outside the fit"):
+    # the window (1 MiB) is read, not the 8 MiB operand; the other operand (512 KiB) read, the
+    # result (1 MiB) written, the index.
+    cost = hlo_cost.program_cost(PADDED_WINDOW, 1)
+    assert cost.hbm_bytes == 1024 * 2 * 256 * 2 + 512 * 2 * 256 * 2 + 1024 * 512 * 2 + 4

@@ -522,6 +522,9 @@ def _transfer_bytes(instruction: Instruction, operand_shapes: list[Shape]) -> fl
     return ends * destination.bytes
 
 
+_RESHAPED = ("pad", "bitcast")  # an operand these pass on unchanged in dtype, to be sliced after
+
+
 def _sliced_reads(fused: Computation, param: str, computations: dict[str, Computation]) -> float | None:
     """Bytes a fusion reads of its parameter `param` when every use is a dynamic-slice of it,
     directly or inside a nested fusion; None when some use reads it otherwise."""
@@ -532,6 +535,14 @@ def _sliced_reads(fused: Computation, param: str, computations: dict[str, Comput
     for user in users:
         if user.opcode == "dynamic-slice" and user.operands[0] == param:
             read += user.bytes
+            continue
+        if user.opcode in _RESHAPED and user.operands[0] == param:
+            # padded or reinterpreted, then sliced: the slices read what they cover (XLA's
+            # windowed einsums pad an operand and slice a window of it each iteration)
+            reshaped = _sliced_reads(fused, user.name, computations)
+            if reshaped is None:
+                return None
+            read += reshaped
             continue
         inner = computations.get(dict(_CALLEES.findall(user.attributes)).get("calls", "")) \
             if user.opcode == "fusion" else None
