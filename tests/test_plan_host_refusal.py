@@ -8,7 +8,7 @@ from dataclasses import replace
 from mxc.compiler.plan.candidates import choices, score
 from mxc.compiler.plan.explain import Verdicts
 from mxc.compiler.plan.layout import parameters
-from mxc.compiler.plan.plan import OUT_OF_HBM, Verification
+from mxc.compiler.plan.plan import Verification
 from mxc.compiler.plan.search import _to_compile
 from mxc.compiler.topology import parse
 from mxc.spec.load import load_model
