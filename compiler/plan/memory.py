@@ -2,8 +2,9 @@
 
     parameters       every parameter's shard, counted tensor by tensor under the rules
     optimizer state  AdamW's two moments, laid out and typed like the parameters; in host memory
-                     where the plan keeps them there (Choice.optimizer_on_host), HBM holding a
-                     layer's at a time during the update (MOMENTS_IN_HBM_WHEN_ON_HOST)
+                     where the plan keeps them there (Choice.optimizer_on_host; on a TPU those
+                     libtpu lays out there, hosted_moment_bytes), HBM holding a layer's at a
+                     time during the update (MOMENTS_IN_HBM_WHEN_ON_HOST)
     gradients        one parameter-sized buffer (the scan writes every layer's gradient into
                      it); a second one accumulates across microbatches
     activations      what each layer keeps for the backward pass under the remat policy, for
