@@ -54,6 +54,9 @@ _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->\s*(.*)\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _CALLEES = re.compile(r"\b(calls|to_apply|body|condition)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+# A computation's closing brace; one the host runs (an offloaded copy, called by a HostExecute
+# custom-call) is closed with `}, execution_thread="host"`.
+_END = re.compile(r'^\}(\s*,\s*execution_thread="[\w-]*")?\s*$')
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,7 @@ def parse_module(text: str) -> tuple[dict[str, Computation], str]:
                 if header[1]:
                     entry = current.name
             continue
-        if line.rstrip() == "}":
+        if _END.match(line):
             computations[current.name] = current
             current = None
             continue
