@@ -23,8 +23,9 @@ def register(subparsers) -> None:
                     "MODEL on a topology, rank them by estimated step time among those predicted to "
                     "fit, and compile the best for the real topology: XLA's memory analysis decides.")
     add_planning_arguments(parser)
-    parser.add_argument("--attempts", type=int, default=3, metavar="N",
-                        help="candidates to compile before giving up (default 3)")
+    parser.add_argument("--attempts", type=int, default=None, metavar="N",
+                        help="candidates to compile before giving up (default: 3, and more while none fits "
+                             "within 10 minutes of planning)")
     parser.add_argument("--compare", default="auto", metavar="K",
                         help="compile until K candidates fit (within --attempts) and keep the fastest by its "
                              "compiled program's estimate, not the formula's; 'auto' (the default): on TPUs, the first "
@@ -144,7 +145,7 @@ def handler(args: argparse.Namespace) -> int:
     from mxc.compiler.plan import PlanError, plan
     from mxc.compiler.topology import TopologyError, attached_topology, devices, parse
 
-    if args.attempts < 1:
+    if args.attempts is not None and args.attempts < 1:
         raise UserError(f"--attempts must be a positive number, not {args.attempts}")
     compare = args.compare if args.compare == "auto" else int(args.compare) if args.compare.isdigit() else 0
     if compare == 0:

@@ -43,6 +43,10 @@ TIE_BAND = 0.02
 # Issue 17 asks every large model to plan in under 10 minutes on this host: a tie compile is
 # skipped where the time spent so far plus the slowest compile so far would pass this.
 PLANNING_BUDGET_S = 600.0
+# With `attempts=None` (the default), the compiles the search makes before giving up, and past
+# them more while none has fit and the planning budget allows (DeepSeek V3 671B on v5p-512 fits
+# at the fourth, docs/plans.md "The largest models").
+MIN_ATTEMPTS = 3
 
 
 def _now() -> float:
@@ -54,13 +58,14 @@ class PlanError(ValueError):
 
 
 def plan(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, pins: Mapping[str, int] | None = None,
-         remat: str | None = None, microbatches: int | None = None, verify: bool = True, attempts: int = 3,
+         remat: str | None = None, microbatches: int | None = None, verify: bool = True, attempts: int | None = None,
          compare: int | str = "auto", progress: Callable[[str], None] | None = None) -> Plan:
     """The fastest plan XLA agrees fits; or, where none fits, the smallest one, with advice. With
     `compare` a number K, up to K candidates that fit (within `attempts` compiles) are ranked by
     their compiled programs' estimates instead of the formula's; with "auto", the first that fits and
     those after it within TIE_BAND of its formula step time (within `attempts` and the planning
-    budget; on TPUs only, elsewhere the first that fits)."""
+    budget; on TPUs only, elsewhere the first that fits). `attempts` None: MIN_ATTEMPTS compiles, and
+    more while none fits and the planning budget allows."""
     say = progress or (lambda message: None)
     started = _now()
     pins = _merge_pins(spec, dict(pins or {}))
@@ -123,7 +128,11 @@ def plan(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, pins: Map
                 return "stop"
             return ""
 
-        for candidate in _to_compile(fitting, verdicts, attempts, passed, wanted):
+        def more() -> bool:
+            """Past MIN_ATTEMPTS, with the default `attempts`: whether to compile one more."""
+            return attempts is None and not fitted and _now() - started + slowest[0] <= PLANNING_BUDGET_S
+
+        for candidate in _to_compile(fitting, verdicts, attempts or MIN_ATTEMPTS, passed, wanted, more):
             if auto and fitted:
                 ties.append(f"tie compiled: {describe(candidate.choice)}, "
                             f"{candidate.time.step_s / fitted[0].time.step_s - 1:+.1%} by the formula against "
@@ -227,7 +236,8 @@ def _merge_pins(spec: ModelSpec, command_line: dict[str, int]) -> dict[str, int]
 
 
 def _to_compile(fitting: list[Scored], verdicts: dict, attempts: int,
-                passed: dict | None = None, wanted: Callable[[Scored], str] | None = None) -> Iterator[Scored]:
+                passed: dict | None = None, wanted: Callable[[Scored], str] | None = None,
+                more: Callable[[], bool] | None = None) -> Iterator[Scored]:
     """Candidates to compile, in the search's order, up to `attempts`, passing over those a refusal
     already condemns. Where the memory model squeezes a candidate's temporaries (memory.squeezed),
     its prediction rests on their irreducible part fitting the room beside the state; XLA's refusal
@@ -237,9 +247,10 @@ def _to_compile(fitting: list[Scored], verdicts: dict, attempts: int,
     part 11.1 GiB of 19.4, 0.57; MaxText's fsdp 128 x tensor 4, 6.9 of 19.4, fits). Once XLA
     refuses a candidate that was not squeezed, the unsqueezed ones predicted to need at least as
     much are passed over (`passed` receives them, with why). `wanted`, asked just before each
-    candidate would be compiled, says why not ("" to compile it, "stop" to end here)."""
+    candidate would be compiled, says why not ("" to compile it, "stop" to end here); `more`, asked
+    once `attempts` are spent, whether to go on."""
     pending, tried = list(fitting), 0
-    while pending and tried < attempts:
+    while pending and (tried < attempts or (more is not None and more())):
         item = pending.pop(0)
         refused = [r for r in fitting if r.choice in verdicts and verdicts[r.choice].out_of_memory]
         why = _condemned(item, refused) or condemned_with_moments_on_host(
