@@ -12,11 +12,6 @@ from mxc.compiler.plan.stages import stage_reasons
 CANDIDATES_SHOWN = 6
 
 
-def _readable(verdict: Verification) -> bool:
-    """Whether a compiled program's estimate can rank it (search._compiled_step_s)."""
-    return verdict.time is not None and verdict.time.mfu <= 1
-
-
 class Verdicts:
     """What the search knows when it explains: XLA's verdicts so far, the HBM, and the memory it
     kept as margin where XLA could not judge (None where it could)."""
@@ -30,14 +25,14 @@ class Verdicts:
         if verdict is not None and verdict.status in ("rejected", "over_hbm"):
             return verdict.reason
         ours = self.verdicts.get(chosen.choice)
-        if verdict is not None and verdict.status == "fits" and _readable(verdict) and ours is not None \
-                and _readable(ours):
+        if verdict is not None and verdict.status == "fits" and verdict.readable and ours is not None \
+                and ours.readable:
             # Both compiled and fit: their programs ranked them, not the formula.
             slower = verdict.time.step_s / ours.time.step_s - 1
             return (f"{slower:.1%} slower by the compiled programs ({duration(verdict.time.step_s)} vs "
                     f"{duration(ours.time.step_s)} a step; both fit)")
-        if verdict is not None and verdict.status == "fits" and verdict.time is not None and not _readable(verdict) \
-                and ours is not None and _readable(ours):
+        if verdict is not None and verdict.status == "fits" and verdict.time is not None and not verdict.readable \
+                and ours is not None and ours.readable:
             return (f"fits, but its compiled program reads {verdict.time.mfu:.0%} MFU, above the chip's peak (not read "
                     f"whole); by the formula {duration(item.time.step_s)} against {duration(ours.time.step_s)} "
                     "compiled a step")

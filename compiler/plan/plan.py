@@ -92,6 +92,13 @@ class Verification(_Value):
     def out_of_memory(self) -> bool:
         return self.status == "over_hbm" or (self.status == "rejected" and self.reason.startswith(OUT_OF_HBM))
 
+    @property
+    def readable(self) -> bool:
+        """Whether the compiled program's estimate can rank the plan. One above the chip's peak
+        (MFU over 1) cannot be a whole program's: the reader missed part of it (Llama 2 70B with
+        AdamW's moments on host once read 0.82 s against 24.6 s by the formula)."""
+        return self.time is not None and self.time.mfu <= 1
+
 
 class StepTime(_Value):
     """Estimated time of one train step on one device, and what it buys."""

@@ -169,7 +169,7 @@ def plan(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, pins: Map
     if len(fitted) > 1:
         reasons.append("ranked by their compiled programs' estimates among the " + str(len(fitted)) + " that fit: "
                        + ", ".join(f"{describe(c.choice)} {_compiled_step_s(c, verdicts[c.choice]):.2f} s"
-                                   + ("" if verdicts[c.choice].time is None or verdicts[c.choice].time.mfu <= 1 else
+                                   + ("" if verdicts[c.choice].time is None or verdicts[c.choice].readable else
                                       f" (the formula's: its program reads {verdicts[c.choice].time.mfu:.0%} MFU, "
                                       "above the chip's peak)")
                                    for c in fitted))
@@ -181,11 +181,9 @@ def plan(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, pins: Map
 
 
 def _compiled_step_s(candidate: Scored, verdict: Verification) -> float:
-    """The step time from the compiled program where XLA's program could be read, else the formula's.
-    An estimate above the chip's peak (MFU over 1) cannot be a whole program's: the reader missed
-    part of it (Llama 2 70B with AdamW's moments on host once read 0.82 s against 24.6 s by the
-    formula), so the formula's stands in."""
-    if verdict.time is not None and verdict.time.mfu <= 1:
+    """The step time from the compiled program where XLA's program could be read whole
+    (Verification.readable), else the formula's."""
+    if verdict.readable:
         return verdict.time.step_s
     return candidate.time.step_s
 
