@@ -29,7 +29,7 @@ from mxc.compiler.analysis import attention_flops_per_token, summarize
 from mxc.compiler.kinds import kind_of
 from mxc.compiler.plan.activations import RECOMPUTED, layer_bytes, layer_recomputed_bytes, layer_working_bytes
 from mxc.compiler.plan.choice import Choice, layer_counts
-from mxc.compiler.plan.memory import logits_bytes, optimizer_state_bytes, parameter_bytes
+from mxc.compiler.plan.memory import hosted_moment_bytes, logits_bytes, parameter_bytes
 from mxc.compiler.plan.plan import StepTime
 from mxc.spec.ir import MoE
 
@@ -232,10 +232,11 @@ def optimizer_host_seconds(choice: Choice) -> float:
     """With AdamW's moments in host memory (Choice.optimizer_on_host), the update brings both in
     and writes them back every step, over the host link: the two directions run at once, one
     array's copy out behind the next one's copy in. Nothing else runs then (the update needs the
-    whole gradient for its clipping norm), so the copies are on the critical path."""
+    whole gradient for its clipping norm), so the copies are on the critical path. Only the
+    moments that go to host are copied: on a TPU, those whose pieces libtpu can lay out there."""
     if not choice.optimizer_on_host:
         return 0.0
-    return optimizer_state_bytes(choice) / host_bandwidth(choice.topology.chip)
+    return hosted_moment_bytes(choice) / host_bandwidth(choice.topology.chip)
 
 
 def step_time(choice: Choice, constants=None) -> StepTime:
