@@ -11,8 +11,10 @@
                      one microbatch, times the layers (offloaded names live in host memory)
     temporaries      the larger of the loss's (float32 logits of one microbatch and their
                      gradient) and one layer's backward (part of its intermediates, its
-                     weights gathered whole, their gradient before the reduce-scatter); near the HBM
-                     limit, what XLA squeezes them to where their irreducible part fits
+                     weights gathered whole, their gradient before the reduce-scatter; where
+                     activations are offloaded, the copies in flight and an untied head's
+                     logits); near the HBM limit, what XLA squeezes them to where their
+                     irreducible part fits
 
 The factors below that are not plain counting were measured against XLA's memory analysis of
 mxc's own train step compiled for TPU targets (docs/plans.md lists the runs).
@@ -21,8 +23,8 @@ mxc's own train step compiled for TPU targets (docs/plans.md lists the runs).
 from __future__ import annotations
 
 from mxc.compiler.kinds import kind_of
-from mxc.compiler.plan.activations import (attention_score_bytes, dispatch_bytes, layer_bytes,
-                                          layer_working_bytes, vision_bytes)
+from mxc.compiler.plan.activations import (attention_score_bytes, dispatch_bytes, intermediate_bytes,
+                                          kept_names, layer_bytes, layer_working_bytes, vision_bytes)
 from mxc.compiler.plan.choice import Choice, layer_counts
 from mxc.compiler.plan.plan import Memory
 from mxc.compiler.plan.stages import adjust_memory
@@ -58,10 +60,29 @@ TIED_HEAD_LOGITS = 1
 # minimal_with_context, one microbatch: XLA 65.86 GiB; with the dense layers' 0.4 share the
 # prediction was 54.5 GiB (0.83), with all of them 1.0 (docs/plans.md).
 DISPATCH_WORKING_SET = 1.0
+# In a plan that offloads activations, an untied head's weight gradient comes after the layers'
+# backward too: XLA's buffer assignment keeps the float32 logits from the loss to past the backward
+# loop (Llama 3.1 405B on v5p-1024, fsdp 512, layer input offloaded, 7.83 GiB; Llama 3.1 8B on
+# v6e-256, fsdp 256, qkv_proj_offloaded, 2 microbatches, 7.83 GiB). Without offloading it forms
+# it before (Llama 3.1 8B on v6e-256, full and minimal remat, one microbatch; Llama 2 70B on
+# v5p-512, minimal_with_context, 4 microbatches), and near the HBM limit too (Llama 3.1 70B on
+# v6e-256, qkv_proj_offloaded, 5 microbatches, 28.45 GiB of 31.24, where this model still counts
+# them; see the copies in flight below): they are not part of what XLA cannot squeeze. None where
+# the loss runs over pieces (docs/plans.md, "The largest models").
+UNTIED_HEAD_LOGITS = 1
 # Offloaded activations also take device memory while their copies to and from the host are in
-# flight: measured 0.24 of what is offloaded (Llama 3.1 8B, save_qkv_offloaded, 6 GiB to host)
-# and 0.40 (Llama 3.1 70B, 12.5 GiB to host).
-OFFLOAD_STAGING = 1 / 3
+# flight. The layer input goes as one copy per layer, and XLA holds one layer's at a time (Llama
+# 3.1 405B on v5p-1024, fsdp 512: one 512 MiB transfer each way in XLA's transfer_stats; with the
+# logits above, predicted/XLA 1.008; a third of the 63 GiB offloaded, the rule before, gave 1.309).
+# The names a layer computes (q/k/v, out_proj, context) are copied while it runs: a share of them,
+# set by MaxText's one-microbatch offloading settings on v6e-256 (tests/test_memory_levers.py): from
+# 0.13 Llama 3.1 405B's (2 slices) and from 0.22 Mixtral 8x7B's ask more than the room beside
+# their state, as XLA's squeezed totals say they do; up to 0.24 Llama 3.1 8B's stays at its loss
+# peak (24.76 GiB, XLA 23.99). Llama 3.1 70B on v6e-256 with qkv_proj_offloaded and 5 microbatches
+# is predicted 27.99 GiB at 0.24 against XLA's 28.45, but XLA's peak there is the forward's end,
+# with two copies of the 10 GiB stack of layer inputs (not modelled), not copies in flight.
+LAYER_INPUT_COPIES_IN_FLIGHT = 1
+OFFLOAD_STAGING = 0.24
 # Near the HBM limit XLA rematerialises and schedules the host copies to fit: a plan whose
 # prediction is over what HBM leaves for temporaries, but whose irreducible part (the loss's
 # float32 logits once, the layers' working set, nothing in flight to the host) fits, compiles at
@@ -207,15 +228,30 @@ def temporaries_asked(choice: Choice, host: float) -> tuple[float, float]:
     loss_peak = (LOGITS_BUFFERS * loss_logits_bytes(choice) + GATHERED_AT_LOSS * gathered
                  + chunked_head_gradient_bytes(choice))
     layer_peak = layer_working + GATHERED_LAYERS * gathered
+    held_logits = 0
     if spec.embedding.tied:
         layer_peak += TIED_HEAD_LOGITS * loss_logits_bytes(choice)
+    elif host and choice.loss_chunks == 1:
+        held_logits = UNTIED_HEAD_LOGITS * logits_bytes(choice)
     # Copies to and from the host are in flight while layers run, not at the loss, where the
     # forward's have landed and the backward's have not started (Llama 3.1 70B on v6e-256 with
     # each layer's input and q/k/v offloaded, 112 GiB to host, one microbatch: XLA's device
     # temporaries 26.9 GiB, below the loss peak alone).
-    temporaries = max(loss_peak, layer_peak + OFFLOAD_STAGING * host)
+    temporaries = max(loss_peak, layer_peak + held_logits + offload_staging_bytes(choice, host))
     irreducible = max(LOGITS_IRREDUCIBLE * loss_logits_bytes(choice) + GATHERED_AT_LOSS * gathered, layer_peak)
     return temporaries, irreducible
+
+
+def offload_staging_bytes(choice: Choice, host: float) -> float:
+    """Device bytes of the copies to and from the host in flight while a layer runs, `host` bytes
+    of activations offloaded in all: one layer's input where the policy offloads it, and a share
+    of the rest."""
+    if "layer_input" not in kept_names(choice.remat)[1]:
+        return OFFLOAD_STAGING * host
+    kinds = layer_counts(choice.spec)
+    inputs = {name: intermediate_bytes(name, choice).get("layer_input", 0) for name in kinds}
+    rest = host - sum(count * inputs[name] for name, count in kinds.items())
+    return LAYER_INPUT_COPIES_IN_FLIGHT * max(inputs.values()) + OFFLOAD_STAGING * rest
 
 
 def squeezed(temporaries: float, irreducible: float, hbm: float, beside: float) -> float:
