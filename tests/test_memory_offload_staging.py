@@ -5,7 +5,7 @@ an untied head's float32 logits, which XLA keeps through the layers' backward wh
 XLA's figures (XlaMemory.total, GiB in HBM) are from `mxc plan ... --pin ... --remat ...
 --microbatches N --json` compiled for the real topology on 27 November 2026 (docs/plans.md, "The
 largest models" and "Memory levers"); the previous rule (a third of everything offloaded in flight,
-no logits for an untied head) predicted 1.309, 1.205 and 0.888 of them."""
+no logits for an untied head) predicted 1.309, 1.205 and 0.888 of the first three."""
 
 import pytest
 
@@ -23,12 +23,16 @@ MEASURED = [
     ("llama3.1-405b", "v5p-1024", dict(seq=8192, batch=1024, mesh={"data": 2, "fsdp": 256}, remat=LAYER_INPUT), 55.51),
     ("llama3.1-70b", "v6e-256", dict(seq=8192, batch=1280, mesh={"fsdp": 256}, remat="qkv_proj_offloaded",
                                      microbatches=5), 28.45),
+    # near the HBM limit XLA does not hold the logits (1.140 predicted holding them, 1.034 before)
+    ("llama3.1-405b", "v6e-256 x 2", dict(seq=8192, batch=512, mesh={"fsdp": 512}, remat=LAYER_INPUT,
+                                         optimizer_on_host=True), 27.19),
 ]
 
 
 @pytest.mark.parametrize("model,topology,setting,xla_gib", MEASURED)
 def test_offloading_plans_within_5_percent_of_xla(model, topology, setting, xla_gib):
-    plan = evaluate(load_model(model), parse(topology), **setting)
+    name, _, slices = topology.partition(" x ")
+    plan = evaluate(load_model(model), parse(name, int(slices or 1)), **setting)
     assert abs(plan.predicted.total / GIB / xla_gib - 1) < 0.05
 
 

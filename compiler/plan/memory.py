@@ -65,10 +65,13 @@ DISPATCH_WORKING_SET = 1.0
 # loop (Llama 3.1 405B on v5p-1024, fsdp 512, layer input offloaded, 7.83 GiB; Llama 3.1 8B on
 # v6e-256, fsdp 256, qkv_proj_offloaded, 2 microbatches, 7.83 GiB). Without offloading it forms
 # it before (Llama 3.1 8B on v6e-256, full and minimal remat, one microbatch; Llama 2 70B on
-# v5p-512, minimal_with_context, 4 microbatches), and near the HBM limit too (Llama 3.1 70B on
-# v6e-256, qkv_proj_offloaded, 5 microbatches, 28.45 GiB of 31.24, where this model still counts
-# them; see the copies in flight below): they are not part of what XLA cannot squeeze. None where
-# the loss runs over pieces (docs/plans.md, "The largest models").
+# v5p-512, minimal_with_context, 4 microbatches), and near the HBM limit too: Llama 3.1 405B on
+# 2 x v6e-256, fsdp 512, layer input offloaded, moments on host, XLA 27.19 GiB of 31.24 (predicted
+# 30.99 holding them, 27.08 not), and Llama 3.1 70B on v6e-256, qkv_proj_offloaded, 5 microbatches,
+# 28.45 GiB, which this model still counts as holding them (28.00 predicted, just under the line;
+# see the copies in flight below). So a plan that holds them above SQUEEZED_SHARE of HBM is
+# predicted without them (`squeezed`), and they are not part of what XLA cannot squeeze. None
+# where the loss runs over pieces (docs/plans.md, "The largest models").
 UNTIED_HEAD_LOGITS = 1
 # Offloaded activations also take device memory while their copies to and from the host are in
 # flight. The layer input goes as one copy per layer, and XLA holds one layer's at a time (Llama
@@ -195,14 +198,14 @@ def predict(choice: Choice) -> Memory:
         host += count * offloaded
     # A vision tower's encoder runs first and keeps its layers' activations until its backward.
     device += vision_bytes(choice)[0]
-    temporaries, irreducible = temporaries_asked(choice, host)
+    temporaries, irreducible, unheld = temporaries_parts(choice, host)
     gradients = parameters * (2 if choice.microbatches > 1 else 1)
     moments = optimizer_state_bytes(choice)
     hosted = hosted_moment_bytes(choice) if choice.optimizer_on_host else 0
     moments_on_device = moments - hosted + int(MOMENTS_IN_HBM_WHEN_ON_HOST * hosted)
     if choice.mesh.get("stage", 1) == 1:  # stages.adjust_memory has its own temporaries
         beside = parameters + moments_on_device + gradients + device
-        temporaries = squeezed(temporaries, irreducible, choice.topology.usable_hbm_bytes, beside)
+        temporaries = squeezed(temporaries, irreducible, choice.topology.usable_hbm_bytes, beside, unheld)
     return adjust_memory(choice, Memory(
         parameters=parameters,
         optimizer_state=moments_on_device,
@@ -216,6 +219,12 @@ def predict(choice: Choice) -> Memory:
 def temporaries_asked(choice: Choice, host: float) -> tuple[float, float]:
     """(the temporaries XLA asks for with `host` bytes offloaded, their irreducible part: what it
     squeezes them to near the HBM limit, at least)."""
+    return temporaries_parts(choice, host)[:2]
+
+
+def temporaries_parts(choice: Choice, host: float) -> tuple[float, float, float]:
+    """temporaries_asked's pair, and the temporaries asked where XLA does not hold an untied
+    head's logits through the layers' backward."""
     spec = choice.spec
     kinds = layer_counts(spec)
     layer_working = max(LAYER_WORKING_SET * layer_working_bytes(name, choice)
@@ -237,9 +246,9 @@ def temporaries_asked(choice: Choice, host: float) -> tuple[float, float]:
     # forward's have landed and the backward's have not started (Llama 3.1 70B on v6e-256 with
     # each layer's input and q/k/v offloaded, 112 GiB to host, one microbatch: XLA's device
     # temporaries 26.9 GiB, below the loss peak alone).
-    temporaries = max(loss_peak, layer_peak + held_logits + offload_staging_bytes(choice, host))
+    layers = layer_peak + offload_staging_bytes(choice, host)
     irreducible = max(LOGITS_IRREDUCIBLE * loss_logits_bytes(choice) + GATHERED_AT_LOSS * gathered, layer_peak)
-    return temporaries, irreducible
+    return max(loss_peak, layers + held_logits), irreducible, max(loss_peak, layers)
 
 
 def offload_staging_bytes(choice: Choice, host: float) -> float:
@@ -254,12 +263,17 @@ def offload_staging_bytes(choice: Choice, host: float) -> float:
     return LAYER_INPUT_COPIES_IN_FLIGHT * max(inputs.values()) + OFFLOAD_STAGING * rest
 
 
-def squeezed(temporaries: float, irreducible: float, hbm: float, beside: float) -> float:
+def squeezed(temporaries: float, irreducible: float, hbm: float, beside: float,
+             unheld: float | None = None) -> float:
     """The temporaries XLA ends with on `hbm` bytes, `beside` of them taken by the state and the
-    kept activations: all it asks for where that fits; where only the irreducible part fits, what
-    it squeezes to (the plan at SQUEEZED_SHARE of HBM, at least the irreducible part); where not
-    even that fits, all it asks for (XLA's refusal reports the unsqueezed need)."""
+    kept activations: all it asks for where that fits (`unheld`, without an untied head's logits
+    held through the layers' backward, where that puts the plan above SQUEEZED_SHARE of HBM);
+    where only the irreducible part fits, what it squeezes to (the plan at SQUEEZED_SHARE of HBM,
+    at least the irreducible part); where not even that fits, all it asks for (XLA's refusal
+    reports the unsqueezed need)."""
     room = hbm - beside
+    if temporaries <= room and unheld is not None and beside + temporaries > SQUEEZED_SHARE * hbm:
+        return unheld
     if temporaries <= room or irreducible > room:
         return temporaries
     return max(irreducible, SQUEEZED_SHARE * hbm - beside)
