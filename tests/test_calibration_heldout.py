@@ -36,6 +36,8 @@ ERRORS = {
     "Gemma 3 12B, v6e-256": 0.14,
     "Llama 3.1 70B, v6e-64": 0.227,
     "Llama 3.1 70B, v6e-128": 0.22,
+    "Gemma 3 12B, 2 x v6e-256": 0.039,
+    "Gemma 3 12B, 4 x v6e-256": 0.118,
 }
 # What the issue asks of every row.
 TARGET = 0.15
