@@ -76,10 +76,10 @@ OUTSIDE = {
 # Rows whose MaxText setting XLA (or mxc's --maxtext) does not compile here, and why.
 NOT_COMPILED = {
     "MaxText 64B, v5p-128": "XLA: out of HBM, its temporaries need 96.46 GiB of 95.73 GiB (v5p is the largest chip: no stand-in)",
-    "Llama 3.1 70B, v6e-32": "mxc: --maxtext weight_dtype=bfloat16: mxc compiles weight_dtype=float32 only",
+    "Llama 3.1 70B, v6e-32": "mxc: --maxtext weight_dtype=bfloat16: llama3.1-70b's param_dtype is float32; add --set param_dtype=bfloat16 to compile it with bfloat16",
     "Llama 4 Maverick, v5p-256": "XLA: out of HBM, its temporaries need 96.69 GiB of 95.73 GiB (no stand-in)",
     "DeepSeek V3 671B, v5p-1024": "XLA: out of HBM, its temporaries need 179.72 GiB of 95.73 GiB (no stand-in)",
-    "Mixtral 8x22B, v6e-256": "mxc: --maxtext weight_dtype=bfloat16: mxc compiles weight_dtype=float32 only",
+    "Mixtral 8x22B, v6e-256": "mxc: --maxtext weight_dtype=bfloat16: mixtral-8x22b's param_dtype is float32; add --set param_dtype=bfloat16 to compile it with bfloat16",
 }
 
 

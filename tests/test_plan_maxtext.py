@@ -118,7 +118,19 @@ def test_experts_follow_capacity_factor_sparse_matmul_and_megablox():
 def test_keys_that_do_not_change_the_program_are_listed_as_ignored():
     s = _setting("llama3.1-8b", "v6e-256", [*LLAMA_8B_RECIPE, "sa_block_q=1024", "dataset_type=synthetic",
                                            "steps=20", "scan_layers=true", "dtype=bfloat16"])
-    assert {"sa_block_q", "dataset_type", "steps", "scan_layers", "dtype"} <= set(s.ignored)
+    assert {"sa_block_q", "dataset_type", "steps", "scan_layers"} <= set(s.ignored)
+
+
+def test_the_weight_and_activation_dtypes_are_the_specs():
+    # MaxText's weight_dtype and dtype are the spec's param_dtype and compute_dtype: a value the
+    # spec does not have says how to set it (tpu-recipes' Llama 3.1 70B on v6e-32 keeps bfloat16 weights).
+    s = _setting("llama3.1-8b", "v6e-256", [*LLAMA_8B_RECIPE, "weight_dtype=float32", "dtype=bfloat16"])
+    assert "weight_dtype float32: the spec's param_dtype" in s.notes
+    with pytest.raises(MaxTextError, match="param_dtype is float32; add --set param_dtype=bfloat16"):
+        _setting("llama3.1-8b", "v6e-256", [*LLAMA_8B_RECIPE, "weight_dtype=bfloat16"])
+    spec = load_model("llama3.1-8b").model_copy(update={"param_dtype": "bfloat16"})
+    params = parse_pairs([*LLAMA_8B_RECIPE, "weight_dtype=bfloat16"])
+    assert "weight_dtype bfloat16: the spec's param_dtype" in setting(params, spec, parse("v6e-256")).notes
 
 
 def test_a_key_that_would_change_the_program_is_refused():
@@ -126,7 +138,7 @@ def test_a_key_that_would_change_the_program_is_refused():
         _setting("llama3.1-8b", "v6e-256", [*LLAMA_8B_RECIPE, "mu_dtype=bfloat16"])
     with pytest.raises(MaxTextError, match="scan_layers=True only"):
         _setting("llama3.1-8b", "v6e-256", [*LLAMA_8B_RECIPE, "scan_layers=false"])
-    with pytest.raises(MaxTextError, match="dtype=bfloat16 only"):
+    with pytest.raises(MaxTextError, match="compute_dtype is bfloat16; add --set compute_dtype=float32"):
         _setting("llama3.1-8b", "v6e-256", [*LLAMA_8B_RECIPE, "dtype=float32"])
 
 

@@ -55,8 +55,10 @@ IGNORED = frozenset({
     "tile_activation_dim", "tile_weight_dim", "megablox_tile_sizes",
 })
 # Keys whose only accepted value is what mxc does anyway.
-SAME_AS_MXC = {"scan_layers": True, "dtype": "bfloat16", "weight_dtype": "float32", "opt_type": "adamw",
-               "quantization": "", "fused_qkv": None, "fused_mlp": None}
+SAME_AS_MXC = {"scan_layers": True, "opt_type": "adamw", "quantization": "", "fused_qkv": None, "fused_mlp": None}
+# Keys that must agree with a field of the spec (which --set changes): MaxText's weight and
+# activation dtypes are mxc's parameter and compute dtypes.
+SPEC_FIELDS = {"weight_dtype": "param_dtype", "dtype": "compute_dtype"}
 MOE_KEYS = ("capacity_factor", "megablox", "sparse_matmul")
 PIPELINE_KEYS = ("num_pipeline_microbatches", "num_layers_per_pipeline_stage", "pipeline_parallel_layers")
 USED = ("per_device_batch_size", "remat_policy", "max_target_length", "gradient_accumulation_steps",
@@ -125,7 +127,14 @@ def setting(params: dict[str, object], spec, topology, *, seq: int | None = None
     for key in ignored:
         params.pop(key)
     for key, value in list(params.items()):
-        if key in SAME_AS_MXC:
+        if key in SPEC_FIELDS:
+            field_name = SPEC_FIELDS[key]
+            if value != getattr(spec, field_name):
+                raise MaxTextError(f"--maxtext {key}={value}: {spec.name}'s {field_name} is {getattr(spec, field_name)}; "
+                                   f"add --set {field_name}={value} to compile it with {value}")
+            notes.append(f"{key} {value}: the spec's {field_name}")
+            params.pop(key)
+        elif key in SAME_AS_MXC:
             expected = SAME_AS_MXC[key]
             if expected is not None and value != expected:
                 raise MaxTextError(f"--maxtext {key}={value}: mxc compiles {key}={expected} only")
