@@ -485,7 +485,7 @@ def build_artifact(spec: ModelSpec, topology: Topology, devices: list, plan: Pla
     mesh = plan_mesh(plan, topology, devices)
     record = topology_record(topology, mesh)
     rules = plan.rules_tuples()
-    options = compiler_options(spec, record.platform)
+    options = compiler_options(spec, record.platform, dict(mesh.shape))
     functions, files = {}, {}
     for traceable in model_functions(spec, plan, mesh, run):
         if run.functions is not None and traceable.name not in run.functions:

@@ -120,7 +120,7 @@ def verify(spec: ModelSpec, plan: Plan, topology: Topology, found: list | None =
         mesh = plan_mesh(plan, topology, found)
         lowered, abstract_state, shardings = lower_train_step(spec, plan, mesh)
         # The options `mxc compile` uses, so that the verdict is about the same program.
-        compiled = lowered.compile(compiler_options=compiler_options(spec, mesh.devices.flat[0].platform) or None)
+        compiled = lowered.compile(compiler_options=compiler_options(spec, mesh.devices.flat[0].platform, dict(mesh.shape)) or None)
     except Exception as err:  # XLA refusing the program (out of memory, unsupported) is a verdict
         return Verification(status="rejected", reason=_first_line(err),
                             compile_seconds=round(time.monotonic() - start, 1))
@@ -167,5 +167,5 @@ def estimate_on_stand_in(spec: ModelSpec, plan: Plan, topology: Topology, stand_
         raise ValueError(f"a stand-in for {topology.name} needs its {topology.chips} devices in {topology.slices} slices")
     mesh = plan_mesh(plan, stand_in)
     lowered, _, _ = lower_train_step(spec, plan, mesh)
-    compiled = lowered.compile(compiler_options=compiler_options(spec, mesh.devices.flat[0].platform) or None)
+    compiled = lowered.compile(compiler_options=compiler_options(spec, mesh.devices.flat[0].platform, dict(mesh.shape)) or None)
     return program_estimate(spec, plan, topology, compiled, plan_mesh(plan, topology), texts)
