@@ -9,20 +9,21 @@ import pytest
 
 from mxc.compiler.plan.calibration import FITTED, calibration_rows, leave_one_out, published_rows
 
-# Each row's (in-sample, left-out) relative error of the estimated MFU, as docs/plans.md shows them.
+# Each row's (in-sample, left-out) relative error of the estimated MFU, as docs/plans.md shows them;
+# the published MFU on the estimates' FLOP count (calibration.published_mfu).
 LEAVE_ONE_OUT = {
-    "Llama 3.1 8B, v6e-256": (0.062, 0.161),
-    "Llama 3.1 70B, v6e-256": (0.086, 0.124),
-    "Llama 3.1 405B, 2 x v6e-256": (-0.013, -0.079),
-    "Mixtral 8x7B, v6e-256": (-0.091, -0.118),
-    "Llama 2 70B, v5p-512": (-0.031, -0.07),
+    "Llama 3.1 8B, v6e-256": (0.091, 0.216),
+    "Llama 3.1 70B, v6e-256": (0.095, 0.13),
+    "Llama 3.1 405B, 2 x v6e-256": (0.004, 0.009),
+    "Mixtral 8x7B, v6e-256": (-0.124, -0.177),
+    "Llama 2 70B, v5p-512": (-0.038, -0.113),
 }
 # What the issue asks of every row, in sample and left out.
 TARGET = 0.15
-# Rows known to miss the target left out, with their error (docs/plans.md, "Calibration"): the
-# 8B row's program recompiled after the offloaded stacks' layout pin and read by the reader that
-# charges vector-memory prefetches once reads 52.8% with the other rows' constants.
-OUTSIDE_LEFT_OUT = {"Llama 3.1 8B, v6e-256": 0.161}
+# Rows known to miss the target left out, with their error (docs/plans.md, "Calibration"): with
+# the other rows' constants the 8B row reads 49.2% (published 40.4% on the estimates' count) and
+# Mixtral 27.9% (33.9%).
+OUTSIDE_LEFT_OUT = {"Llama 3.1 8B, v6e-256": 0.216, "Mixtral 8x7B, v6e-256": 0.177}
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,6 +43,14 @@ def test_each_rows_error_in_sample_and_left_out():
     _, _, _, table = _fitted()
     errors = {v.name: (round(v.in_sample_error, 3), round(v.left_out_error, 3)) for v in table}
     assert errors == LEAVE_ONE_OUT
+
+
+def test_published_mfu_is_on_the_estimates_count():
+    # The file's printed MFU counts attention in full (MaxText's log); on mxc's count, from the
+    # published tokens/s, the 8B row is 40.41%.
+    rows, _, _, _ = _fitted()
+    eight_b = next(r for r in rows if r.name == "Llama 3.1 8B, v6e-256")
+    assert eight_b.published_mfu == pytest.approx(0.4041, abs=5e-4)
 
 
 def test_every_published_row_has_compiled_terms():
