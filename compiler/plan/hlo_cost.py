@@ -499,7 +499,7 @@ def program_cost(text: str, devices: int, grouped_rows: float = 1.0) -> ProgramC
             moved = max(0.0, sum(in_hbm) - host - in_place)
             if touches_host:
                 moved = max(0.0, sum(on_device) - host - in_place)
-            elif opcode in ("copy-start", "slice-start"):
+            elif opcode in ("copy-start", "slice-start", "collective-permute-start"):
                 moved = _transfer_bytes(instruction, operand_shapes)
             elif opcode == "custom-call" and 'custom_call_target="AllocateBuffer"' in instruction.attributes:
                 moved = 0.0  # a buffer set aside, nothing written
@@ -513,14 +513,20 @@ def program_cost(text: str, devices: int, grouped_rows: float = 1.0) -> ProgramC
 
 
 def _transfer_bytes(instruction: Instruction, operand_shapes: list[Shape]) -> float:
-    """HBM bytes of an asynchronous copy or slice on the chip: the array it moves, once for each
-    end in HBM (a prefetch into vector memory reads it, an eviction writes it, a copy within HBM
-    does both). Its result names the source again: `copy-start` is (destination, source,
-    context), `slice-start` ((source), slice, context)."""
+    """HBM bytes of an asynchronous copy, slice or collective-permute: the array it moves, once
+    for each end in HBM (a prefetch into vector memory reads it, an eviction writes it, a copy
+    within HBM does both; a permute reads what it sends and writes what it receives). Its result
+    names the source again: `copy-start` is (destination, source, context), `slice-start`
+    ((source), slice, context), `collective-permute-start` (source, destination, contexts)."""
     data = [s for s in instruction.shapes if s.dims]
     if not data or not operand_shapes:
         return 0.0
-    destination = data[0] if instruction.opcode == "copy-start" else data[-1]
+    if instruction.opcode == "copy-start":
+        destination = data[0]
+    elif instruction.opcode == "collective-permute-start":
+        destination = data[1] if len(data) > 1 else data[0]
+    else:
+        destination = data[-1]
     ends = (operand_shapes[0].memory_space == HBM_MEMORY_SPACE) + (destination.memory_space == HBM_MEMORY_SPACE)
     return ends * destination.bytes
 
@@ -528,21 +534,26 @@ def _transfer_bytes(instruction: Instruction, operand_shapes: list[Shape]) -> fl
 _RESHAPED = ("pad", "bitcast")  # an operand these pass on unchanged in dtype, to be sliced after
 
 
-def _sliced_reads(fused: Computation, param: str, computations: dict[str, Computation]) -> float | None:
+def _sliced_reads(fused: Computation, param: str, computations: dict[str, Computation],
+                  extent: tuple[int, ...] | None = None) -> float | None:
     """Bytes a fusion reads of its parameter `param` when every use is a dynamic-slice of it,
-    directly or inside a nested fusion; None when some use reads it otherwise."""
+    directly or inside a nested fusion; None when some use reads it otherwise. `extent`: where
+    `param` is a padded array, the dimensions of the array before the padding."""
     users = [u for u in fused.instructions if param in u.operands]
     if not users:
         return None
     read = 0.0
     for user in users:
         if user.opcode == "dynamic-slice" and user.operands[0] == param:
-            read += user.bytes
+            read += _slice_bytes(user, extent)
             continue
         if user.opcode in _RESHAPED and user.operands[0] == param:
             # padded or reinterpreted, then sliced: the slices read what they cover (XLA's
-            # windowed einsums pad an operand and slice a window of it each iteration)
-            reshaped = _sliced_reads(fused, user.name, computations)
+            # windowed einsums pad an operand and slice a window of it each iteration); of a
+            # padded array no more than the data holds, the padding is no read
+            source = fused.shape_of(param)
+            padded = source[0].dims if user.opcode == "pad" and len(source) == 1 else None
+            reshaped = _sliced_reads(fused, user.name, computations, padded)
             if reshaped is None:
                 return None
             read += reshaped
@@ -557,6 +568,16 @@ def _sliced_reads(fused: Computation, param: str, computations: dict[str, Comput
             return None
         read += sum(inner_reads)
     return read
+
+
+def _slice_bytes(slice_: Instruction, extent: tuple[int, ...] | None) -> float:
+    """Bytes a dynamic-slice reads: its result, or of a padded array only what lies in the data
+    (in each dimension at most the data's extent: a window that half overlaps the padding reads
+    half of it)."""
+    if extent is None or not slice_.shapes or len(extent) != len(slice_.shapes[0].dims):
+        return slice_.bytes
+    shape = slice_.shapes[0]
+    return math.prod(min(s, e) for s, e in zip(shape.dims, extent)) * _DTYPE_BYTES.get(shape.dtype, 4)
 
 
 def _untouched_bytes(instruction: Instruction, computation: Computation, computations: dict[str, Computation]) -> float:
