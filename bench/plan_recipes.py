@@ -26,6 +26,11 @@ prints each row's estimate at the stated constants (FITTED) from those terms, fi
         --rows tests/data/published_mfu_heldout.json --no-auto > heldout.log 2>&1 &
     .venv/bin/python bench/plan_recipes.py --rows tests/data/published_mfu_heldout.json --check
 
+A recipe that sets weight_dtype or dtype compiles the model with them, as `mxc plan --set
+param_dtype=... --set compute_dtype=...` would (mxc's `--maxtext` refuses them otherwise), and a recipe's custom_mesh, an order of the
+devices only, with mxc's own order (DEVICE_ORDER_ONLY); the printed lines and the saved terms'
+`compiled_for` say so.
+
 Each compile of a full-size model for 256-512 chips takes 0.5-2 minutes of CPU and several GiB
 here; the rows run one at a time.
 """
@@ -49,6 +54,14 @@ HELDOUT_TERMS = ROOT / "tests" / "data" / "calibration_terms_heldout.json"
 # Where a setting does not fit the real chip's HBM, its program is compiled for this chip (as
 # many devices, Google's core-counting name: v5p-512 is 256 chips) to read its costs.
 STAND_IN = {"v6e": "v5p", "v5e": "v5p"}
+# MaxText keys that only order the devices of the mesh (the same program on every device, its
+# collectives over other device groups): mxc lays its mesh out along the torus itself
+# (topology.device_mesh), so the bench compiles such a recipe with mxc's order and says so.
+DEVICE_ORDER_ONLY = {
+    # MaxText's create_custom_64x4_device_mesh: on each 16 x 16 slice, every group of 4 along the
+    # last mesh axis is a 2 x 2 block of chips taken as a ring.
+    "custom_mesh": "MaxText's device order for a 64 x 4 mesh (each group of 4 a 2 x 2 ring of chips)",
+}
 
 
 def _terms_for(rows: Path) -> Path:
@@ -60,14 +73,45 @@ def _terms_for(rows: Path) -> Path:
     return known[rows.resolve()]
 
 
-def _load(ref: str):
-    """A row's model: a zoo name, or `file.mspec:name` relative to the repository root."""
-    from mxc.spec.load import load_model
+def _load(ref: str, overrides: list[str] = ()):
+    """A row's model: a zoo name, or `file.mspec:name` relative to the repository root, with
+    `--set` overrides."""
+    from mxc.spec.load import load_models
 
     path, sep, name = ref.rpartition(":")
     if sep and path.endswith(".mspec") and not Path(path).is_absolute():
         ref = f"{ROOT / path}:{name}"
-    return load_model(ref)
+    return next(iter(load_models(ref, overrides).values()))
+
+
+def _dtype_overrides(row: dict) -> list[str]:
+    """The `--set` a MaxText user adds to compile a recipe's weight_dtype / dtype: mxc's
+    `--maxtext` refuses them unless the spec's param_dtype / compute_dtype already agree (and says
+    to add this), so the bench compiles the model with the recipe's dtypes, as that user would."""
+    from mxc.compiler.plan.maxtext import SPEC_FIELDS
+
+    spec = _load(row["model"])
+    return [f"{field_name}={row['tuning_params'][key]}" for key, field_name in SPEC_FIELDS.items()
+            if key in row["tuning_params"] and str(getattr(spec, field_name)) != str(row["tuning_params"][key])]
+
+
+def _maxtext_params(row: dict, quiet: bool = False) -> dict:
+    """The row's tuning parameters as `--maxtext` is given them: without the keys that only order
+    the devices (DEVICE_ORDER_ONLY), each dropped one printed."""
+    params = dict(row["tuning_params"])
+    for key, what in DEVICE_ORDER_ONLY.items():
+        if key in params:
+            value = params.pop(key)
+            if not quiet:
+                print(f"  {key} {value}: {what}; compiled with mxc's own device order", flush=True)
+    return params
+
+
+def _changed(row: dict) -> list[str]:
+    """How the compiled program departs from the recipe as written: the saved terms' record."""
+    return [f"--set {o}" for o in _dtype_overrides(row)] + [
+        f"mxc's device order for {key} {row['tuning_params'][key]}"
+        for key in DEVICE_ORDER_ONLY if key in row["tuning_params"]]
 
 
 def _estimate_row(label: str, plan) -> dict:
@@ -110,14 +154,19 @@ def compile_rows(args) -> int:
             continue
         if args.skip_done and row["name"] in saved:
             continue
-        spec = _load(row["model"])
+        overrides = _dtype_overrides(row)
+        spec = _load(row["model"], overrides)
         topology = parse(row["topology"], row["slices"])
         print(f"\n{row['name']}: {row['model']} on {row['topology']}"
               + (f" x {row['slices']} slices" if row["slices"] > 1 else "")
               + f", seq {row['seq']}, batch {row['global_batch']} ({row['maxtext_config']})", flush=True)
+        if overrides:
+            print("  the recipe's dtypes, as mxc is told them: " + " ".join(f"--set {o}" for o in overrides),
+                  flush=True)
         terms: list = []
         texts: list = []
-        fixed = plan_setting(spec, topology, row["tuning_params"], seq=row["seq"], terms=terms, texts=texts,
+        params = _maxtext_params(row)
+        fixed = plan_setting(spec, topology, params, seq=row["seq"], terms=terms, texts=texts,
                              verify=not args.maxtext_unverified)
         print("  " + "\n  ".join(r for r in fixed.reasons if r.startswith("maxtext: ")), flush=True)
         results = [_estimate_row("MaxText", fixed)]
@@ -139,8 +188,8 @@ def compile_rows(args) -> int:
             Path(args.hlo).mkdir(parents=True, exist_ok=True)
             (Path(args.hlo) / _hlo_name(row)).write_text(texts[-1])
         if terms and args.terms:
-            saved[row["name"]] = {"status": fixed.xla.status, "compiled_for": results[-1]["estimate_from"],
-                                  "terms": terms[0].to_json()}
+            saved[row["name"]] = {"status": fixed.xla.status, "compiled_for": ", ".join(
+                [results[-1]["estimate_from"], *_changed(row)]), "terms": terms[0].to_json()}
             Path(args.terms).write_text(json.dumps(saved, indent=1) + "\n")
         if not args.no_auto:
             automatic = plan(spec, topology, seq=row["seq"], batch=row["global_batch"], attempts=2,
@@ -171,10 +220,11 @@ def reread_rows(args) -> int:
         path = Path(args.reread) / _hlo_name(row)
         if not path.exists():
             continue
-        spec, topology = _load(row["model"]), parse(row["topology"], row["slices"])
-        fixed = plan_setting(spec, topology, row["tuning_params"], seq=row["seq"], verify=False)
+        spec, topology = _load(row["model"], _dtype_overrides(row)), parse(row["topology"], row["slices"])
+        fixed = plan_setting(spec, topology, _maxtext_params(row, quiet=True), seq=row["seq"], verify=False)
         time, terms = estimate_from_text(spec, fixed, topology, path.read_text(), plan_mesh(fixed, topology))
-        entry = saved.setdefault(row["name"], {"status": "fits", "compiled_for": f"compiled program (HLO from {path.name})"})
+        entry = saved.setdefault(row["name"], {"status": "fits", "compiled_for": ", ".join(
+            [f"compiled program (HLO from {path.name})", *_changed(row)])})
         entry["terms"] = terms.to_json()
         print(f"{row['name']}: MFU {time.mfu:.1%}, step {time.step_s:.2f} s, {time.tokens_per_s_per_device:.0f} "
               f"tokens/s/device (published {row['published_tokens_per_s_per_device']})")
