@@ -36,9 +36,16 @@ def compiler_options(spec: ModelSpec, platform: str, mesh_shape: Mapping[str, in
         return options
     if not any(isinstance(block.mlp, MoE) for block in spec.blocks.values()):
         options.update(_DENSE_TPU)
-    if mesh_shape is not None and mesh_shape.get("tensor", 1) == 1:
+    if mesh_shape is not None and not collective_matmul_loops(platform, mesh_shape):
         options.update(_NO_TENSOR_TPU)
     return options
+
+
+def collective_matmul_loops(platform: str, mesh_shape: Mapping[str, int]) -> bool:
+    """Whether XLA's collective-matmul loops stay on in programs compiled for `platform` over a
+    mesh of `mesh_shape`: on TPUs where the mesh has a tensor axis (elsewhere mxc turns them off,
+    and XLA's GPU and CPU compilers do not make them by default)."""
+    return platform == "tpu" and mesh_shape.get("tensor", 1) > 1
 
 
 # Every file name in HLO locations (the traced frames: mxc's sources, jax's, the venv's) loses its

@@ -54,7 +54,7 @@ def test_an_offloaded_layer_input_has_one_layers_copy_in_flight(monkeypatch):
 
 
 def test_an_untied_heads_logits_count_through_the_layers_backward(monkeypatch):
-    monkeypatch.setattr(memory, "LOGITS_BUFFERS", 0)  # the layers' backward alone sets the peak
+    monkeypatch.setattr(memory, "loss_peak_bytes", lambda choice: 0)  # the layers' backward alone sets the peak
     with_logits = _405b()
     monkeypatch.setattr(memory, "UNTIED_HEAD_LOGITS", 0)
     # XLA's buffer: f32[2,8192,128256], 8,405,385,216 bytes, live from the loss to past the backward loop
@@ -68,7 +68,7 @@ def test_an_untied_heads_logits_count_through_the_layers_backward(monkeypatch):
 def test_without_offloading_the_logits_are_not_held(monkeypatch):
     # Llama 3.1 8B on v6e-256, fsdp 256, full remat, one 8192-token sequence a device: XLA's buffer
     # assignment frees the float32 logits before the layers' backward (XLA 10.36 GiB in HBM).
-    monkeypatch.setattr(memory, "LOGITS_BUFFERS", 0)
+    monkeypatch.setattr(memory, "loss_peak_bytes", lambda choice: 0)
     setting = dict(seq=8192, batch=256, mesh={"fsdp": 256}, remat="full")
     spec, topology = load_model("llama3.1-8b"), parse("v6e-256")
     counted = evaluate(spec, topology, **setting).predicted

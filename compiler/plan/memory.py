@@ -9,8 +9,8 @@
                      it); a second one accumulates across microbatches
     activations      what each layer keeps for the backward pass under the remat policy, for
                      one microbatch, times the layers (offloaded names live in host memory)
-    temporaries      the larger of the loss's (float32 logits of one microbatch and their
-                     gradient) and one layer's backward (part of its intermediates, its
+    temporaries      the larger of the loss's (float32 logits of one microbatch and the output
+                     head's float32 weight gradient) and one layer's backward (part of its intermediates, its
                      weights gathered whole, their gradient before the reduce-scatter; where
                      activations are offloaded, the copies in flight and an untied head's
                      logits); near the HBM limit, what XLA squeezes them to where their
@@ -35,14 +35,29 @@ ADAM_MOMENTS = 2
 # targets (Llama 3.1 8B on v6e-256 at 1 and 4 sequences per device, remat full, minimal and
 # save_qkv_offloaded; Llama 3.1 70B on v6e-256; small Llamas on v5e-8). The peak comes at one of
 # two moments, on top of the state, the gradients and the scanned stack of saved activations:
-#   the loss: the float32 logits of one microbatch and their bfloat16 gradient (1.5 logits),
-#   while the first layers of the backward pass are gathered (two layers' weights);
+#   the loss: the float32 logits of one microbatch, and the output head's float32 weight gradient
+#   whole (before its reduce-scatter) beside its bfloat16 weight gathered whole (1.5 of that
+#   gradient's size). Small Llamas on v5e-8, fsdp 8, in XLA's buffer assignment at the loss: the
+#   8-layer stand-in of tests/test_memory_levers.py (2 x 4096 tokens a device), f32 logits 1000 MiB,
+#   f32 head gradient 250, bf16 head weight 125 and no layer's weights gathered; the two-layer one
+#   of tests/test_plan.py (8 x 1024 tokens), the logits' 256 MiB beside the saved stack, the head's
+#   16 MiB gradient in the TensorCore's own memory. The logits' gradient is fused into the head's
+#   two backward matmuls and never materialised;
 #   a layer's backward: part of that layer's intermediates, and three copies of its weights
 #   gathered whole (the one in use, the next one prefetched, its gradient before the
 #   reduce-scatter).
-# Near the HBM limit XLA rematerialises on its own and needs less (Llama 3.1 8B with 4
-# sequences per device: 0.85 of this prediction).
-LOGITS_BUFFERS = 1.5
+# Where XLA's collective-matmul loops stay on (xla_options.collective_matmul_loops: a mesh with a
+# tensor axis), the loss keeps the rule measured on programs with them: 1.5 logits (the logits'
+# bfloat16 gradient materialised for the loops) and two layers' weights gathered (the two-layer
+# Llama compiled with the loops: XLA 663 MiB, predicted 638 this way and 526 the loop-free way;
+# Llama 3.1 8B on v6e-256, fsdp 64 x tensor 4, 16 sequences a device: temporaries 56.59 GiB,
+# predicted 55.80). Llama 3.1 8B on v6e-256 with one sequence a device reads nearly the same
+# either way (its head gradient is half its logits): 6.85 GiB at the loss, 6.69 with the loops' rule.
+# Llama 3.1 8B with 4 sequences a device, full remat: XLA 27.92 GiB, predicted 27.06 (0.97; the
+# loops' rule asked 32.8, which only XLA's squeezing near the limit brought down).
+LOGITS_BUFFERS = 1.0
+HEAD_GRADIENT_BUFFERS = 1.5
+LOGITS_BUFFERS_WITH_LOOPS = 1.5
 GATHERED_AT_LOSS = 2
 LAYER_WORKING_SET = 0.4
 GATHERED_LAYERS = 3
@@ -92,8 +107,9 @@ OFFLOAD_STAGING = 0.24
 # about this share of HBM. Measured (XLA's total of 31.24 GiB on v6e): Llama 3.1 70B with 5
 # sequences per device and 112.5 GiB offloaded, 29.97 GiB (0.96; predicted without this 52.2);
 # Llama 3.1 405B on 2 x v6e-256, 98.4 GiB offloaded, 30.14 (0.96; 51.3); Mixtral 8x7B, 42 GiB
-# offloaded, 29.1 (0.93; 32.7); Llama 3.1 8B, full remat, 4 sequences per device, 27.92 (0.89;
-# 32.8). Where the irreducible part does not fit, XLA reports the unsqueezed need (Llama 3.1 8B,
+# offloaded, 29.1 (0.93; 32.7). (Llama 3.1 8B, full remat, 4 sequences per device, 27.92, was
+# counted here while the loss was charged 1.5 logits; it is now predicted unsqueezed, 27.06.)
+# Where the irreducible part does not fit, XLA reports the unsqueezed need (Llama 3.1 8B,
 # fsdp 64 x tensor 4, 16 sequences: temporaries 56.59 GiB, predicted 55.80).
 SQUEEZED_SHARE = 0.9
 LOGITS_IRREDUCIBLE = 1.0
@@ -160,13 +176,26 @@ def loss_logits_bytes(choice: Choice) -> int:
     return logits_bytes(choice) // choice.loss_chunks
 
 
-def chunked_head_gradient_bytes(choice: Choice) -> int:
-    """Where the loss runs over pieces: the output head's float32 gradient, summed over the pieces
-    as the loop's carry, whole but for the vocabulary's split (0 for the loss over the whole logits)."""
-    if choice.loss_chunks == 1:
-        return 0
+def head_gradient_bytes(choice: Choice) -> int:
+    """The output head's float32 weight gradient at the loss, whole but for the vocabulary's split:
+    formed before its reduce-scatter (where the loss runs over pieces, summed over them as the
+    loop's carry)."""
     spec = choice.spec
     return -(-spec.vocab // choice.split("vocab")) * spec.d_model * 4
+
+
+def loss_peak_bytes(choice: Choice) -> float:
+    """The temporaries at the loss (the module's comments above LOGITS_BUFFERS): with XLA's
+    collective-matmul loops in the program, 1.5 logits and two layers' weights gathered (and the
+    head's gradient where the loss runs over pieces); without, the logits and the head's gradient
+    beside its gathered weight."""
+    from mxc.compiler.xla_options import collective_matmul_loops
+
+    logits = loss_logits_bytes(choice)
+    if collective_matmul_loops(choice.topology.platform, choice.mesh):
+        chunked = head_gradient_bytes(choice) if choice.loss_chunks > 1 else 0
+        return LOGITS_BUFFERS_WITH_LOOPS * logits + GATHERED_AT_LOSS * gathered_layer_bytes(choice) + chunked
+    return LOGITS_BUFFERS * logits + HEAD_GRADIENT_BUFFERS * head_gradient_bytes(choice)
 
 
 def gathered_layer_bytes(choice: Choice) -> int:
@@ -188,6 +217,18 @@ def _gathered_layer_bytes(choice: Choice) -> int:
 
 
 def predict(choice: Choice) -> Memory:
+    return _predicted(choice)[0]
+
+
+def squeezed_to(choice: Choice) -> float | None:
+    """Where predict squeezes the plan's temporaries to fit (`squeezed`: XLA rematerialises near
+    the HBM limit), their irreducible part, which its prediction rests on fitting; None where they
+    are predicted as asked."""
+    return _predicted(choice)[1]
+
+
+def _predicted(choice: Choice) -> tuple[Memory, float | None]:
+    """(predict's Memory, squeezed_to's irreducible part or None)."""
     spec = choice.spec
     parameters = parameter_bytes(choice)
     device = host = 0
@@ -203,9 +244,11 @@ def predict(choice: Choice) -> Memory:
     moments = optimizer_state_bytes(choice)
     hosted = hosted_moment_bytes(choice) if choice.optimizer_on_host else 0
     moments_on_device = moments - hosted + int(MOMENTS_IN_HBM_WHEN_ON_HOST * hosted)
+    squeezed_from = None
     if choice.mesh.get("stage", 1) == 1:  # stages.adjust_memory has its own temporaries
         beside = parameters + moments_on_device + gradients + device
-        temporaries = squeezed(temporaries, irreducible, choice.topology.usable_hbm_bytes, beside, unheld)
+        temporaries, squeezed_from = _squeeze(temporaries, irreducible, choice.topology.usable_hbm_bytes, beside,
+                                              unheld)
     return adjust_memory(choice, Memory(
         parameters=parameters,
         optimizer_state=moments_on_device,
@@ -213,18 +256,13 @@ def predict(choice: Choice) -> Memory:
         activations=device,
         temporaries=int(temporaries),
         host=host + MOMENT_COPIES_ON_HOST * hosted,
-    ))
-
-
-def temporaries_asked(choice: Choice, host: float) -> tuple[float, float]:
-    """(the temporaries XLA asks for with `host` bytes offloaded, their irreducible part: what it
-    squeezes them to near the HBM limit, at least)."""
-    return temporaries_parts(choice, host)[:2]
+    )), squeezed_from
 
 
 def temporaries_parts(choice: Choice, host: float) -> tuple[float, float, float]:
-    """temporaries_asked's pair, and the temporaries asked where XLA does not hold an untied
-    head's logits through the layers' backward."""
+    """(the temporaries XLA asks for with `host` bytes of activations offloaded, their irreducible
+    part: what it squeezes them to near the HBM limit, at least; the temporaries asked where XLA
+    does not hold an untied head's logits through the layers' backward)."""
     spec = choice.spec
     kinds = layer_counts(spec)
     layer_working = max(LAYER_WORKING_SET * layer_working_bytes(name, choice)
@@ -234,8 +272,7 @@ def temporaries_parts(choice: Choice, host: float) -> tuple[float, float, float]
     # One of a vision tower's layers' backward is another candidate for the largest working set.
     layer_working = max(layer_working, vision_bytes(choice)[1])
     gathered = gathered_layer_bytes(choice)
-    loss_peak = (LOGITS_BUFFERS * loss_logits_bytes(choice) + GATHERED_AT_LOSS * gathered
-                 + chunked_head_gradient_bytes(choice))
+    loss_peak = loss_peak_bytes(choice)
     layer_peak = layer_working + GATHERED_LAYERS * gathered
     held_logits = 0
     if spec.embedding.tied:
@@ -271,12 +308,18 @@ def squeezed(temporaries: float, irreducible: float, hbm: float, beside: float,
     where only the irreducible part fits, what it squeezes to (the plan at SQUEEZED_SHARE of HBM,
     at least the irreducible part); where not even that fits, all it asks for (XLA's refusal
     reports the unsqueezed need)."""
+    return _squeeze(temporaries, irreducible, hbm, beside, unheld)[0]
+
+
+def _squeeze(temporaries: float, irreducible: float, hbm: float, beside: float,
+             unheld: float | None = None) -> tuple[float, float | None]:
+    """(squeezed's temporaries, `irreducible` where they are squeezed to fit, else None)."""
     room = hbm - beside
     if temporaries <= room and unheld is not None and beside + temporaries > SQUEEZED_SHARE * hbm:
-        return unheld
+        return unheld, None
     if temporaries <= room or irreducible > room:
-        return temporaries
-    return max(irreducible, SQUEEZED_SHARE * hbm - beside)
+        return temporaries, None
+    return max(irreducible, SQUEEZED_SHARE * hbm - beside), irreducible
 
 
 def kv_cache_bytes(choice: Choice, cache_seq: int, batch: int | None = None) -> int:

@@ -271,10 +271,8 @@ def _to_compile(fitting: list[Scored], verdicts: dict, attempts: int,
 def _squeezed_share(item: Scored) -> float | None:
     """The share of the room beside the state that a squeezed candidate's irreducible temporaries
     take; None where its temporaries are not squeezed."""
-    if item.choice.mesh.get("stage", 1) > 1:  # stages.adjust_memory counts its own temporaries
-        return None
-    asked, irreducible = memory.temporaries_asked(item.choice, item.memory.host)
-    if item.memory.temporaries >= int(asked):
+    irreducible = memory.squeezed_to(item.choice)
+    if irreducible is None:
         return None
     room = item.choice.topology.usable_hbm_bytes - (item.memory.total - item.memory.temporaries)
     return irreducible / room if room > 0 else math.inf
