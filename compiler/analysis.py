@@ -42,7 +42,8 @@ class BlockCount:
 
 def block_params(block: Block, d_model: int) -> BlockCount:
     att_total, att_weights = attention_params(block.attention, d_model)
-    norms = 2 * norm_params(block.norm, d_model) + 2 * norm_params(block.post_norm, d_model)
+    pre_norms = 1 if block.parallel else 2  # a parallel block normalises its input once
+    norms = pre_norms * norm_params(block.norm, d_model) + 2 * norm_params(block.post_norm, d_model)
     ffn_kind = kind_of(block.mlp)
     ffn = ffn_kind.param_counts(block.mlp, d_model)
     return BlockCount(att_total + ffn.total + norms, att_total + ffn.active + norms,

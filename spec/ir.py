@@ -264,6 +264,16 @@ class Block(Node):
     norm: Norm
     # Gemma 2/3 also normalise each sub-layer's output before it joins the residual.
     post_norm: Norm | None = None
+    # A parallel block (GPT-J, PaLM, Falcon, MaxText's 2023 layer): one norm of the input, which
+    # attention and the feed-forward both read; both outputs join the residual together.
+    parallel: bool = False
+
+    @model_serializer(mode="wrap")
+    def _without_unset_parallel(self, handler):
+        data = handler(self)
+        if data.get("parallel") is False:
+            del data["parallel"]
+        return data
 
 
 class Segment(Node):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from mxc.compiler.kinds import kind_of
-from mxc.spec.ir import LongRopeScaling, ModelSpec
+from mxc.spec.ir import CrossAttention, LongRopeScaling, ModelSpec
 
 Report = Callable[..., None]  # report(path, message, hint=None)
 
@@ -26,6 +26,8 @@ def validate(spec: ModelSpec, report: Report) -> None:
             _check_longrope(att.rope.scaling, getattr(att, "qk_rope_head_dim", att.head_dim),
                             at + ("rope", "scaling"), report)
         kind_of(block.mlp).check(block.mlp, base + ("mlp",), report)
+        if block.parallel:
+            _check_parallel(block, base, report)
     if spec.vision is not None:
         from mxc.compiler.kinds import vision
 
@@ -51,3 +53,13 @@ def _check_longrope(scaling: LongRopeScaling, rotary_dim: int, at: tuple, report
         if given != rotary_dim // 2:
             report(at + (field,), f"longrope {field} has {given} values; the rotary dimension "
                                   f"({rotary_dim}) needs {rotary_dim // 2}, one per pair")
+
+
+def _check_parallel(block, at: tuple, report: Report) -> None:
+    # The parallel block adds both sub-layers' outputs to the residual as they are: no family
+    # normalises them after, and cross-attention layers have a gated block of their own.
+    if block.post_norm is not None:
+        report(at + ("post_norm",), "a parallel block takes no post_norm",
+               "drop post_norm, or set parallel = false")
+    if isinstance(block.attention, CrossAttention):
+        report(at + ("parallel",), "a cross_attention block cannot be parallel", "set parallel = false")

@@ -58,6 +58,11 @@ def rope_parameters(rope: Rope | None) -> dict:
 def config_from_spec(spec: ModelSpec) -> dict:
     from mxc.compiler.hf.families import converter_for_spec
 
+    parallel = [name for name in spec.layer_kinds if spec.blocks[name].parallel]
+    if parallel:
+        raise LayoutError(f"block '{parallel[0]}' is parallel (attention and feed-forward on one normed input); "
+                          "none of the HF families mxc exports has that layer")
+
     converter = converter_for_spec(spec)
     if converter is not None:
         return converter.config_from_spec(spec)

@@ -1,6 +1,8 @@
 """One decoder layer: pre-norm attention and pre-norm feed-forward, each added to the residual.
 
 Gemma 2/3 also normalise each sub-layer's output (`post_norm`) before it joins the residual.
+A parallel block (`parallel = true`) normalises its input once and adds attention and the
+feed-forward of that one normed input to the residual together: x + attn(n) + mlp(n).
 A MoE feed-forward also reports its routing statistics (moe.MoEStats); `block_layer_with_stats`
 returns them, `block_layer` drops them.
 """
@@ -15,6 +17,9 @@ from mxc.compiler.lower.norms import apply_norm
 from mxc.compiler.lower.remat import named_residual
 from mxc.compiler.lower.sharding import RESIDUAL_AXES, constrain
 from mxc.spec.ir import Block, CrossAttention
+
+# A parallel block's normed input, whole over the sequence: what both sub-layers' projections read.
+GATHERED_AXES = ("batch", "seq", "embed")
 
 def _shared_input(h: jax.Array) -> jax.Array:
     """The normalised input, computed once for all the projections that read it. Without the
@@ -43,19 +48,27 @@ def block_layer_with_stats(block: Block, params: dict, x: jax.Array, positions: 
         return x, cache, None
     # Named so a remat policy can offload the layer's input (MaxText's main memory lever).
     x = named_residual(x, "decoder_layer_input")
-    h = _shared_input(apply_norm(block.norm, params["attention_norm"], x))
-    h, new_cache = kind_of(block.attention).apply(block.attention, params["attention"], h, positions, cache=cache,
+    normed = apply_norm(block.norm, params["attention_norm"], x)
+    if block.parallel:
+        # Both sub-layers read the one normed input: gathered whole over the sequence once (under
+        # sequence parallelism the residual is split over tensor), not once per sub-layer.
+        normed = constrain(normed, GATHERED_AXES)
+    h = _shared_input(normed)
+    a, new_cache = kind_of(block.attention).apply(block.attention, params["attention"], h, positions, cache=cache,
                                                   cache_index=cache_index, cache_positions=cache_positions,
                                                   segment_ids=segment_ids, impl=impl,
                                                   **({} if image_blocks is None else {"image_blocks": image_blocks}))
     if block.post_norm is not None:
-        h = apply_norm(block.post_norm, params["attention_post_norm"], h)
-    x = constrain(x + h, RESIDUAL_AXES)
+        a = apply_norm(block.post_norm, params["attention_post_norm"], a)
+    if block.parallel:
+        m, stats = kind_of(block.mlp).apply(block.mlp, params["mlp"], h, moe)
+        return constrain(x + a + m, RESIDUAL_AXES), new_cache, stats
+    x = constrain(x + a, RESIDUAL_AXES)
     h = _shared_input(apply_norm(block.norm, params["mlp_norm"], x))
-    h, stats = kind_of(block.mlp).apply(block.mlp, params["mlp"], h, moe)
+    m, stats = kind_of(block.mlp).apply(block.mlp, params["mlp"], h, moe)
     if block.post_norm is not None:
-        h = apply_norm(block.post_norm, params["mlp_post_norm"], h)
-    return constrain(x + h, RESIDUAL_AXES), new_cache, stats
+        m = apply_norm(block.post_norm, params["mlp_post_norm"], m)
+    return constrain(x + m, RESIDUAL_AXES), new_cache, stats
 
 
 def block_layer(block: Block, params: dict, x: jax.Array, positions: jax.Array,

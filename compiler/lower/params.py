@@ -11,7 +11,7 @@ The tree is nested dicts keyed by the IR's names; the layers of a segment are st
                                       "k": ..., "v": ..., "o": {"kernel": [layers, heads, head_dim, embed]},
                                       "q_norm": {"scale"}, "k_norm": {"scale"}, "sinks": [layers, heads]},
                         "attention_post_norm": {...},  # Gemma 2/3 only
-                        "mlp_norm": {...},
+                        "mlp_norm": {...},            # absent in a parallel block
                         "mlp": {"gate": {"kernel": [layers, embed, mlp]}, "up": ..., "down": ...},
                                # or, for a MoE layer (see kinds/moe.py, moe_defs):
                                # {"router": {"kernel": [layers, embed, experts], "bias", "correction_bias"},
@@ -56,6 +56,8 @@ def block_defs(block: Block, d_model: int) -> dict:
             "attention": kind_of(block.attention).param_defs(block.attention, d_model),
             "mlp_norm": norm_defs(block.norm, d_model, "embed"),
             "mlp": kind_of(block.mlp).param_defs(block.mlp, d_model)}
+    if block.parallel:  # its feed-forward reads attention_norm's output
+        del defs["mlp_norm"]
     if block.post_norm is not None:
         defs["attention_post_norm"] = norm_defs(block.post_norm, d_model, "embed")
         defs["mlp_post_norm"] = norm_defs(block.post_norm, d_model, "embed")

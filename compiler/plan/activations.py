@@ -88,7 +88,8 @@ def intermediates(block: Block, choice: Choice) -> list[Intermediate]:
     residual = ("batch", "residual_seq", "embed")
     out = [
         Intermediate("layer_input", (b, s, d), residual, act),
-        Intermediate("attention_norm_out", (b, s, d), residual, act),
+        # A parallel block gathers its one normed input whole over the sequence for both sub-layers.
+        Intermediate("attention_norm_out", (b, s, d), ("batch", "seq", "embed") if block.parallel else residual, act),
     ]
     own_core = getattr(kind_of(att), "attention_intermediates", None)  # cross-attention's: keys over images
     if own_core is not None:
@@ -109,11 +110,10 @@ def intermediates(block: Block, choice: Choice) -> list[Intermediate]:
             # The XLA path materialises the probabilities, in float32.
             out.append(Intermediate("attention_probabilities", (b, att.heads, s, s), ("batch", "heads", "seq", None), 4))
         out.append(Intermediate("context", (b, s, att.heads, v_dim), (*tokens, "heads", "head_dim"), act))
-    out += [
-        Intermediate("out_proj", (b, s, d), residual, act),
-        Intermediate("attention_residual", (b, s, d), residual, act),
-        Intermediate("mlp_norm_out", (b, s, d), residual, act),
-    ]
+    out.append(Intermediate("out_proj", (b, s, d), residual, act))
+    if not block.parallel:  # a parallel block's feed-forward reads the layer's one normed input
+        out += [Intermediate("attention_residual", (b, s, d), residual, act),
+                Intermediate("mlp_norm_out", (b, s, d), residual, act)]
     out += kind_of(ffn).intermediates(ffn, choice)
     return out
 

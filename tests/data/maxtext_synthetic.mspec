@@ -7,10 +7,9 @@
 # vocab_size 32768, mlp_activations ["relu"] (one input matrix), logits_via_embedding (tied),
 # RoPE (LLaMARotaryEmbedding, its default theta 10000), RMSNorm, every head its own keys and values.
 #
-# One difference mxc cannot write: MaxText's layer of that commit (MaxText/layers/models.py,
-# DecoderLayer) is a parallel block, attention and MLP both read the one normed input and their
-# sum joins the residual; here the block is mxc's sequential pre-norm block with the same
-# matrices (the same parameters, less one norm, and the same matmul FLOPs).
+# MaxText's layer of that commit (MaxText/layers/models.py, DecoderLayer) is a parallel block:
+# one RMSNorm of the input, which attention and the MLP both read, and their sum (dropout off)
+# joins the residual: `parallel = true`.
 
 model maxtext-16b {
   vocab = 32768
@@ -24,6 +23,7 @@ model maxtext-16b {
     attention = mha(heads = 32, head_dim = 256, rope = rope(theta = 10000))
     mlp = mlp(hidden = 32768, act = relu)
     norm = rmsnorm(eps = 1e-6)
+    parallel = true
   }
 }
 
