@@ -216,6 +216,13 @@ def test_nonsense_is_an_error_at_its_place(tmp_path, line, message):
     assert f":{where}:" in rendered and "^" in rendered
 
 
+def test_a_vision_towers_encoder_block_cannot_be_parallel(capsys):
+    from mxc.compiler.cli import main
+
+    assert main(["check", "gemma3-4b", "--set", "vision.block.parallel=true"]) == 1
+    assert "encoder block cannot be parallel" in capsys.readouterr().err
+
+
 def test_export_refuses_a_parallel_block():
     with pytest.raises(LayoutError, match="parallel"):
         config_from_spec(_spec())
