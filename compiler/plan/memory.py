@@ -42,17 +42,23 @@ ADAM_MOMENTS = 2
 #   f32 head gradient 250, bf16 head weight 125 and no layer's weights gathered; the two-layer one
 #   of tests/test_plan.py (8 x 1024 tokens), the logits' 256 MiB beside the saved stack, the head's
 #   16 MiB gradient in the TensorCore's own memory. The logits' gradient is fused into the head's
-#   two backward matmuls and never materialised;
+#   two backward matmuls and never materialised. Predicted/XLA: the two-layer Llama 1.041 (XLA
+#   499 MiB); the 8-layer stand-in 1.014 (2566 MiB) and at 4 x 4096 tokens 0.984 (3919 MiB; the
+#   loops' rule below 1.279, 1.132, 1.190);
 #   a layer's backward: part of that layer's intermediates, and three copies of its weights
 #   gathered whole (the one in use, the next one prefetched, its gradient before the
 #   reduce-scatter).
 # Where XLA's collective-matmul loops stay on (xla_options.collective_matmul_loops: a mesh with a
-# tensor axis), the loss keeps the rule measured on programs with them: 1.5 logits (the logits'
-# bfloat16 gradient materialised for the loops) and two layers' weights gathered (the two-layer
-# Llama compiled with the loops: XLA 663 MiB, predicted 638 this way and 526 the loop-free way;
-# Llama 3.1 8B on v6e-256, fsdp 64 x tensor 4, 16 sequences a device: temporaries 56.59 GiB,
-# predicted 55.80). Llama 3.1 8B on v6e-256 with one sequence a device reads nearly the same
-# either way (its head gradient is half its logits): 6.85 GiB at the loss, 6.69 with the loops' rule.
+# tensor axis), the loss keeps the rule measured on such programs: 1.5 logits (the logits and their
+# bfloat16 gradient) and two layers' weights gathered (the two-layer Llama compiled with the loops
+# at fsdp 8, before mxc turned them off there: XLA 663 MiB, predicted 638 this way and 526 the
+# loop-free way; Llama 3.1 8B on v6e-256, fsdp 64 x tensor 4, 16 sequences a device: temporaries
+# 56.59 GiB, predicted 55.80). XLA makes the loops above a size threshold only; the 8-layer
+# stand-in at fsdp 2 x tensor 4 has none, and its loss holds, beside the logits, the head's
+# float32 input gradient before the all-reduce over tensor (XLA 3408 MiB, predicted 3539 this way,
+# 1.039; 3088, 0.906, the loop-free way). Llama 3.1 8B on v6e-256 with one sequence a device
+# reads nearly the same either way (its head gradient is half its logits): 6.85 GiB at the loss,
+# 6.69 with the loops' rule.
 # Llama 3.1 8B with 4 sequences a device, full remat: XLA 27.92 GiB, predicted 27.06 (0.97; the
 # loops' rule asked 32.8, which only XLA's squeezing near the limit brought down).
 LOGITS_BUFFERS = 1.0
