@@ -228,6 +228,26 @@ def test_export_refuses_a_parallel_block():
         config_from_spec(_spec())
 
 
+def test_the_memory_model_keeps_one_normed_input_in_a_parallel_layer():
+    from mxc.compiler.plan.activations import intermediate_bytes
+    from mxc.compiler.plan.choice import Choice
+    from mxc.compiler.plan.layout import parameters
+    from mxc.compiler.plan.plan import MESH_AXES
+    from mxc.compiler.plan.rules import make_rules
+    from mxc.compiler.topology import parse
+
+    sizes = {}
+    for name, text in (("parallel", SPEC), ("sequential", SPEC.replace("parallel = true", ""))):
+        spec = _spec(text)
+        params = parameters(spec)
+        mesh = {axis: 1 for axis in MESH_AXES} | {"fsdp": 8}
+        choice = Choice(spec, params, parse("v5p-16"), mesh, {}, make_rules(mesh, params.tensors)[0], 64, 8, 1,
+                        "full", "xla")
+        sizes[name] = intermediate_bytes("block", choice)
+    assert set(sizes["sequential"]) - set(sizes["parallel"]) == {"attention_residual", "mlp_norm_out"}
+    assert {k: v for k, v in sizes["sequential"].items() if k in sizes["parallel"]} == sizes["parallel"]
+
+
 # ------------------------------------------------------------------ sequence parallelism
 
 MESH = {"fsdp": 2, "tensor": 2}
