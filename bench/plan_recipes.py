@@ -116,8 +116,11 @@ def _changed(row: dict) -> list[str]:
 
 def _estimate_row(label: str, plan) -> dict:
     xla = plan.xla.memory
+    lowering = plan.lowering
     return {
         "setting": label, "mesh": plan.mesh_text(), "remat": plan.remat, "microbatches": plan.microbatches,
+        "optimizer_state_on_host": bool(lowering and lowering.optimizer_state_on_host),
+        "float32_logits_dot": None if lowering is None else lowering.float32_logits_dot,
         "xla_status": plan.xla.status, "xla_reason": plan.xla.reason,
         "xla_gib": None if xla is None else round(xla.total / GIB, 2),
         "predicted_gib": round(plan.predicted.total / GIB, 2),
@@ -136,7 +139,10 @@ def _print(row: dict, published: dict | None = None) -> None:
                    f"MFU {published['published_mfu']:.1%} as printed; "
                    f"{row['tokens_per_s_per_device'] / published['published_tokens_per_s_per_device'] - 1:+.1%})")
     reason = f": {row['xla_reason']}" if row["xla_status"] != "fits" and row["xla_reason"] else ""
-    print(f"  {row['setting']:<8} {row['mesh']}; {row['remat']}; {row['microbatches']} mb\n"
+    extras = "".join([
+        "; AdamW's moments on host" if row.get("optimizer_state_on_host") else "",
+        {True: "; output head in float32", False: "; output head in bfloat16"}.get(row.get("float32_logits_dot"), "")])
+    print(f"  {row['setting']:<8} {row['mesh']}; {row['remat']}; {row['microbatches']} mb{extras}\n"
           f"           XLA {row['xla_status']}{reason}, peak {xla}, predicted {row['predicted_gib']:.1f} GiB\n"
           f"           estimate ({row['estimate_from']}): step {row['step_s']:.2f} s, MFU {row['mfu']:.1%}, "
           f"{row['tokens_per_s_per_device']:.0f} tokens/s/device{against}", flush=True)
