@@ -42,13 +42,15 @@ def test_without_the_loops_the_loss_holds_the_logits_once_and_the_heads_gradient
     # fsdp 8, two 4096-token sequences a device, compiled without the loops: at the loss XLA's
     # buffer assignment holds f32[2,4096,32000] (1000 MiB), the head's gradient f32[2048,32000]
     # (250 MiB) and its gathered weight bf16[2048,32000] (125 MiB); no bfloat16 logits gradient.
+    # The model also counts the bfloat16 copy of the head's gradient that Llama 3.1 8B's program on
+    # v6e-256 all-reduces (memory.HEAD_GRADIENT_BUFFERS; this one reduce-scatters the float32 one).
     choice = _choice({"fsdp": 8}, 16)
     assert not collective_matmul_loops("tpu", choice.mesh)
     assert memory.loss_logits_bytes(choice) == 1000 * MIB
     assert memory.head_gradient_bytes(choice) == 250 * MIB
-    assert memory.loss_peak_bytes(choice) == (1000 + 250 + 125) * MIB
+    assert memory.loss_peak_bytes(choice) == (1000 + 250 + 125 + 125) * MIB
     # at four sequences a device the logits double and the head's gradient does not (XLA: 2000 and 250 MiB)
-    assert memory.loss_peak_bytes(_choice({"fsdp": 8}, 32)) == (2000 + 250 + 125) * MIB
+    assert memory.loss_peak_bytes(_choice({"fsdp": 8}, 32)) == (2000 + 250 + 125 + 125) * MIB
 
 
 def test_with_a_tensor_axis_the_loss_keeps_the_loops_rule():
