@@ -198,7 +198,9 @@ def compile_rows(args) -> int:
                 [results[-1]["estimate_from"], *_changed(row)]), "terms": terms[0].to_json()}
             Path(args.terms).write_text(json.dumps(saved, indent=1) + "\n")
         if not args.no_auto:
-            automatic = plan(spec, topology, seq=row["seq"], batch=row["global_batch"], attempts=2,
+            # mxc plan's own defaults (attempts, near-tie compiles), so that the row shows the plan
+            # `mxc plan` gives: 2 attempts stopped Llama 2 70B on v5p-512 before its third near-tie.
+            automatic = plan(spec, topology, seq=row["seq"], batch=row["global_batch"],
                              verify=not args.auto_unverified,
                              progress=lambda message: print(f"    mxc plan: {message}", flush=True))
             results.append(_estimate_row("mxc", automatic))
