@@ -12,18 +12,18 @@ from mxc.compiler.plan.calibration import FITTED, calibration_rows, leave_one_ou
 # Each row's (in-sample, left-out) relative error of the estimated MFU, as docs/plans.md shows them;
 # the published MFU on the estimates' FLOP count (calibration.published_mfu).
 LEAVE_ONE_OUT = {
-    "Llama 3.1 8B, v6e-256": (0.088, 0.213),
-    "Llama 3.1 70B, v6e-256": (0.093, 0.128),
-    "Llama 3.1 405B, 2 x v6e-256": (0.008, 0.018),
-    "Mixtral 8x7B, v6e-256": (-0.127, -0.181),
-    "Llama 2 70B, v5p-512": (-0.038, -0.113),
+    "Llama 3.1 8B, v6e-256": (0.085, 0.202),
+    "Llama 3.1 70B, v6e-256": (0.098, 0.15),
+    "Llama 3.1 405B, 2 x v6e-256": (0.002, 0.002),
+    "Mixtral 8x7B, v6e-256": (-0.119, -0.17),
+    "Llama 2 70B, v5p-512": (-0.038, -0.115),
 }
 # What the issue asks of every row, in sample and left out.
 TARGET = 0.15
 # Rows known to miss the target left out, with their error (docs/plans.md, "Calibration"): with
-# the other rows' constants the 8B row reads 49.0% (published 40.4% on the estimates' count) and
-# Mixtral 27.7% (33.9%).
-OUTSIDE_LEFT_OUT = {"Llama 3.1 8B, v6e-256": 0.213, "Mixtral 8x7B, v6e-256": 0.181}
+# the other rows' constants the 8B row reads 48.6% (published 40.4% on the estimates' count),
+# Llama 3.1 70B 54.0% (47.0%, +15.03%) and Mixtral 28.1% (33.9%).
+OUTSIDE_LEFT_OUT = {"Llama 3.1 8B, v6e-256": 0.202, "Llama 3.1 70B, v6e-256": 0.151, "Mixtral 8x7B, v6e-256": 0.17}
 
 
 @functools.lru_cache(maxsize=None)
