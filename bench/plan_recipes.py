@@ -27,9 +27,9 @@ prints each row's estimate at the stated constants (FITTED) from those terms, fi
     .venv/bin/python bench/plan_recipes.py --rows tests/data/published_mfu_heldout.json --check
 
 A recipe that sets weight_dtype or dtype compiles the model with them, as `mxc plan --set
-param_dtype=... --set compute_dtype=...` would (mxc's `--maxtext` refuses them otherwise), and a recipe's custom_mesh, an order of the
-devices only, with mxc's own order (DEVICE_ORDER_ONLY); the printed lines and the saved terms'
-`compiled_for` say so.
+param_dtype=... --set compute_dtype=...` would (mxc's `--maxtext` refuses them otherwise), and a
+recipe's custom_mesh, an order of the devices only, with mxc's own order (as `--maxtext` does,
+maxtext.DEVICE_ORDER); the printed lines and the saved terms' `compiled_for` say so.
 
 Each compile of a full-size model for 256-512 chips takes 0.5-2 minutes of CPU and several GiB
 here; the rows run one at a time.
@@ -54,16 +54,6 @@ HELDOUT_TERMS = ROOT / "tests" / "data" / "calibration_terms_heldout.json"
 # Where a setting does not fit the real chip's HBM, its program is compiled for this chip (as
 # many devices, Google's core-counting name: v5p-512 is 256 chips) to read its costs.
 STAND_IN = {"v6e": "v5p", "v5e": "v5p"}
-# MaxText keys that only order the devices of the mesh (the same program on every device, its
-# collectives over other device groups): mxc lays its mesh out along the torus itself
-# (topology.device_mesh), so the bench compiles such a recipe with mxc's order and says so.
-DEVICE_ORDER_ONLY = {
-    # MaxText's create_custom_64x4_device_mesh: on each 16 x 16 slice, every group of 4 along the
-    # last mesh axis is a 2 x 2 block of chips taken as a ring.
-    "custom_mesh": "MaxText's device order for a 64 x 4 mesh (each group of 4 a 2 x 2 ring of chips)",
-}
-
-
 def _terms_for(rows: Path) -> Path:
     """Each rows file keeps its compiled terms in its own file, so that compiling the held-out
     rows never writes into the fitted rows' terms."""
@@ -95,23 +85,13 @@ def _dtype_overrides(row: dict) -> list[str]:
             if key in row["tuning_params"] and str(getattr(spec, field_name)) != str(row["tuning_params"][key])]
 
 
-def _maxtext_params(row: dict, quiet: bool = False) -> dict:
-    """The row's tuning parameters as `--maxtext` is given them: without the keys that only order
-    the devices (DEVICE_ORDER_ONLY), each dropped one printed."""
-    params = dict(row["tuning_params"])
-    for key, what in DEVICE_ORDER_ONLY.items():
-        if key in params:
-            value = params.pop(key)
-            if not quiet:
-                print(f"  {key} {value}: {what}; compiled with mxc's own device order", flush=True)
-    return params
-
-
 def _changed(row: dict) -> list[str]:
     """How the compiled program departs from the recipe as written: the saved terms' record."""
+    from mxc.compiler.plan.maxtext import DEVICE_ORDER
+
     return [f"--set {o}" for o in _dtype_overrides(row)] + [
         f"mxc's device order for {key} {row['tuning_params'][key]}"
-        for key in DEVICE_ORDER_ONLY if key in row["tuning_params"]]
+        for key in DEVICE_ORDER if key in row["tuning_params"]]
 
 
 def _estimate_row(label: str, plan) -> dict:
@@ -171,7 +151,7 @@ def compile_rows(args) -> int:
                   flush=True)
         terms: list = []
         texts: list = []
-        params = _maxtext_params(row)
+        params = dict(row["tuning_params"])
         fixed = plan_setting(spec, topology, params, seq=row["seq"], terms=terms, texts=texts,
                              verify=not args.maxtext_unverified)
         print("  " + "\n  ".join(r for r in fixed.reasons if r.startswith("maxtext: ")), flush=True)
@@ -229,7 +209,7 @@ def reread_rows(args) -> int:
         if not path.exists():
             continue
         spec, topology = _load(row["model"], _dtype_overrides(row)), parse(row["topology"], row["slices"])
-        fixed = plan_setting(spec, topology, _maxtext_params(row, quiet=True), seq=row["seq"], verify=False)
+        fixed = plan_setting(spec, topology, row["tuning_params"], seq=row["seq"], verify=False)
         time, terms = estimate_from_text(spec, fixed, topology, path.read_text(), plan_mesh(fixed, topology))
         entry = saved.setdefault(row["name"], {"status": "fits", "compiled_for": ", ".join(
             [f"compiled program (HLO from {path.name})", *_changed(row)])})

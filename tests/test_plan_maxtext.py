@@ -244,3 +244,11 @@ def test_the_setting_is_compiled_and_estimated_from_the_program():
     assert 0 < plan.time.mfu < 1
     # Tensor parallelism's all-reduces are in the program, synchronous.
     assert terms[0].by_kind.get("all-reduce", 0) > 0 and terms[0].exposed_collectives_s > 0
+
+
+def test_a_device_order_key_is_compiled_with_mxcs_order_and_said():
+    # MaxText's custom_mesh (Mixtral 8x22B's hybrid_ring_64x4) orders the devices only: the same
+    # program on each, so mxc compiles it with its own order and says so in the setting's notes.
+    chosen = setting({"per_device_batch_size": 1, "ici_fsdp_parallelism": -1, "custom_mesh": "hybrid_ring_64x4"},
+                     load_model("llama3-tiny"), parse("v5p-8"), seq=128)
+    assert any(n.startswith("custom_mesh hybrid_ring_64x4: MaxText's device order") for n in chosen.notes)

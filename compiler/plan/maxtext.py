@@ -54,6 +54,13 @@ IGNORED = frozenset({
     "sa_q_layout", "sa_k_layout", "sa_v_layout", "tile_batch_seq", "tile_embed_dim", "tile_mlp_dim",
     "tile_activation_dim", "tile_weight_dim", "megablox_tile_sizes",
 })
+# Keys that only order the devices of the mesh (the same program on every device, its collectives
+# over other device groups): mxc lays its mesh out along the torus itself (topology.device_mesh).
+DEVICE_ORDER = {
+    # MaxText's create_custom_64x4_device_mesh: on each 16 x 16 slice, every group of 4 along the
+    # last mesh axis is a 2 x 2 block of chips taken as a ring.
+    "custom_mesh": "MaxText's device order for its mesh; compiled with mxc's own order",
+}
 # Keys whose only accepted value is what mxc does anyway.
 SAME_AS_MXC = {"scan_layers": True, "opt_type": "adamw", "quantization": "", "fused_qkv": None, "fused_mlp": None}
 # Keys that must agree with a field of the spec (which --set changes): MaxText's weight and
@@ -133,6 +140,9 @@ def setting(params: dict[str, object], spec, topology, *, seq: int | None = None
                 raise MaxTextError(f"--maxtext {key}={value}: {spec.name}'s {field_name} is {getattr(spec, field_name)}; "
                                    f"add --set {field_name}={value} to compile it with {value}")
             notes.append(f"{key} {value}: the spec's {field_name}")
+            params.pop(key)
+        elif key in DEVICE_ORDER:
+            notes.append(f"{key} {value}: {DEVICE_ORDER[key]}")
             params.pop(key)
         elif key in SAME_AS_MXC:
             expected = SAME_AS_MXC[key]
