@@ -281,8 +281,19 @@ def _child() -> dict:
             hlo = step.lower(sharded_params, placed).compile().as_text()
         # Activations gathered over the sequence: [batch/fsdp, seq, d_model] results.
         gathers = re.findall(rf"= f32\[2,16,{D}\]\S* all-gather", hlo)
+
+        def loss(p, t):
+            logits = forward(spec, p, t)[0]
+            return cross_entropy_loss(logits[:, :-1], t[:, 1:])[0]
+
+        single_grads = jax.jit(jax.grad(loss))(params, tokens)
+        with use_rules(mesh, RULES):
+            sharded_grads = jax.jit(jax.grad(loss))(sharded_params, placed)
+        grad_diff = max(float(jnp.abs(a - b).max() / jnp.abs(b).max())
+                        for a, b in zip(jax.tree.leaves(sharded_grads), jax.tree.leaves(single_grads)))
         report[name] = {"max_abs_diff": float(jnp.abs(sharded - single).max()),
-                        "max_abs": float(jnp.abs(single).max()), "activation_gathers": len(gathers)}
+                        "max_abs": float(jnp.abs(single).max()), "activation_gathers": len(gathers),
+                        "grad_relative_diff": grad_diff}
     return report
 
 
@@ -295,6 +306,7 @@ def sharded():
 def test_sequence_parallel_gathers_the_normed_input_once(sharded):
     for case in ("parallel", "sequential"):
         assert sharded[case]["max_abs_diff"] < 1e-5 * sharded[case]["max_abs"], case
+        assert sharded[case]["grad_relative_diff"] < 1e-4, case  # the gradients too
     # One layer: the sequential block gathers before attention and before the MLP, the parallel
     # block once; both gather the final hidden states for the vocabulary-split output head.
     assert sharded["sequential"]["activation_gathers"] == 3
