@@ -51,7 +51,9 @@ def block_layer_with_stats(block: Block, params: dict, x: jax.Array, positions: 
     normed = apply_norm(block.norm, params["attention_norm"], x)
     if block.parallel:
         # Both sub-layers read the one normed input: gathered whole over the sequence once (under
-        # sequence parallelism the residual is split over tensor), not once per sub-layer.
+        # sequence parallelism the residual is split over tensor), not once per sub-layer. Left
+        # to XLA, the TPU program gathers it inside each sub-layer's windowed-einsum loops
+        # instead, and runs slower by the step-time estimate (docs/plans.md, the 2023 rows).
         normed = constrain(normed, GATHERED_AXES)
     h = _shared_input(normed)
     a, new_cache = kind_of(block.attention).apply(block.attention, params["attention"], h, positions, cache=cache,
