@@ -15,26 +15,13 @@ from mxc.compiler.topology import parse
 from mxc.compiler.xla_options import collective_matmul_loops, compiler_options
 from mxc.spec.load import load_model, load_text
 
+from test_memory_levers import SMALL_LLAMA  # the 8-layer Llama of its TPU compiles
+
 MIB = 2**20
-# The 8-layer Llama of tests/test_memory_levers.py's TPU compiles.
-STAND_IN = """
-model llama-levers {
-  vocab = 32000
-  d_model = 2048
-  max_seq = 8192
-  embedding = embedding(tied = false)
-  final_norm = rmsnorm(eps = 1e-5)
-  block x 8 {
-    attention = gqa(heads = 16, kv_heads = 8, head_dim = 128, rope = rope(theta = 10000))
-    mlp = glu(hidden = 5632, act = silu)
-    norm = rmsnorm(eps = 1e-5)
-  }
-}
-"""
 
 
 def _choice(mesh: dict, batch: int):
-    spec = load_text(STAND_IN, "levers.mspec")["llama-levers"]
+    spec = load_text(SMALL_LLAMA, "levers.mspec")["llama-levers"]
     found = [c for c in choices(spec, parameters(spec), parse("v5e-8"), 4096, batch, mesh, "full", 1)
              if not sequence_parallel(c.rules) and c.loss_chunks == 1]
     assert len(found) == 1
@@ -64,7 +51,7 @@ def test_with_a_tensor_axis_the_loss_keeps_the_loops_rule():
 
 
 def test_the_loops_are_on_exactly_where_mxc_does_not_turn_them_off():
-    spec = load_text(STAND_IN, "levers.mspec")["llama-levers"]
+    spec = load_text(SMALL_LLAMA, "levers.mspec")["llama-levers"]
     option = "xla_jf_spmd_threshold_for_windowed_einsum_mib"
     for platform in ("tpu", "gpu", "cpu"):
         for mesh in ({"fsdp": 8}, {"fsdp": 2, "tensor": 4}, {"data": 8}):
