@@ -22,10 +22,10 @@ import hashlib
 import json
 from typing import Annotated, Literal, Union
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt,
-                      model_serializer)
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
 from mxc.runtime.file_names import plain_name
+from mxc.records import omit_at_default
 
 # 2: `compiler_options`, the options XLA compiled every function with.
 # 3: `file_sizes`, so a listed file is read only up to its recorded size.
@@ -58,12 +58,7 @@ class Leaf(_Record):
     # so manifests without host-memory leaves read as before.
     memory_kind: Literal["device", "pinned_host"] = "device"
 
-    @model_serializer(mode="wrap")
-    def _without_device_kind(self, handler):
-        data = handler(self)
-        if self.memory_kind == "device":
-            data.pop("memory_kind", None)
-        return data
+    _omit = omit_at_default("memory_kind")
 
     @property
     def name(self) -> str:

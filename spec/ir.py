@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+
+from mxc.records import omit_at_default
 
 LOGICAL_AXES = ("batch", "seq", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp",
                 "experts", "layers", "q_lora", "kv_lora", "cache_seq", "residual_seq")
@@ -268,12 +270,7 @@ class Block(Node):
     # attention and the feed-forward both read; both outputs join the residual together.
     parallel: bool = False
 
-    @model_serializer(mode="wrap")
-    def _without_unset_parallel(self, handler):
-        data = handler(self)
-        if data.get("parallel") is False:
-            del data["parallel"]
-        return data
+    _omit = omit_at_default("parallel")
 
 
 class Segment(Node):
@@ -291,12 +288,7 @@ class Embedding(Node):
     # token among them); the output head keeps `vocab`.
     extra_rows: int = Field(default=0, ge=0)
 
-    @model_serializer(mode="wrap")
-    def _without_unset_extra_rows(self, handler):
-        data = handler(self)
-        if data.get("extra_rows") == 0:
-            del data["extra_rows"]
-        return data
+    _omit = omit_at_default("extra_rows")
 
 
 class MTP(Node):
@@ -445,15 +437,8 @@ class VisionTower(Node):
     global_layers: int = Field(default=0, ge=0)
     intermediate: tuple[int, ...] = ()
 
-    @model_serializer(mode="wrap")
-    def _without_unset_llama4_parts(self, handler):
-        # Absent unless given, so the other towers keep their canonical JSON and spec hashes.
-        data = handler(self)
-        # Each is falsy exactly when unset (False, None, 0, an empty list).
-        for optional in ("class_token", "pre_norm", "rope", "tiles", "global_layers", "intermediate"):
-            if optional in data and not data[optional]:
-                del data[optional]
-        return data
+    # Llama 4's and Llama 3.2 Vision's parts: absent unless given.
+    _omit = omit_at_default("class_token", "pre_norm", "rope", "tiles", "global_layers", "intermediate")
 
     @property
     def patches_per_side(self) -> int:
@@ -482,14 +467,7 @@ class ModelSpec(Node):
     quantize: QuantizationName | None = None
     vision: VisionTower | None = None  # an image encoder and how its output enters the text
 
-    @model_serializer(mode="wrap")
-    def _without_unset_quantize(self, handler):
-        # Absent unless given, so specs without them keep their canonical JSON and spec hashes.
-        data = handler(self)
-        for optional in ("quantize", "vision"):
-            if data.get(optional, 0) is None:
-                del data[optional]
-        return data
+    _omit = omit_at_default("quantize", "vision")
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:

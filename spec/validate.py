@@ -28,9 +28,6 @@ def validate(spec: ModelSpec, report: Report) -> None:
         kind_of(block.mlp).check(block.mlp, base + ("mlp",), report)
         if block.parallel:
             _check_parallel(block, base, report)
-    if spec.vision is not None and spec.vision.block.parallel:
-        report(("vision", "block", "parallel"), "a vision tower's encoder block cannot be parallel",
-               "set parallel = false")
     if spec.vision is not None:
         from mxc.compiler.kinds import vision
 

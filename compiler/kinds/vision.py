@@ -34,6 +34,8 @@ def check(spec: ModelSpec, report: Report) -> None:
     for field in ("window", "chunk"):
         if getattr(att, field) is not None:
             report(PATH + ("block", "attention", field), f"a vision encoder's attention sees the whole image (no {field})")
+    if tower.block.parallel:
+        report(PATH + ("block", "parallel"), "a vision tower's encoder block cannot be parallel", "set parallel = false")
     projector = tower.projector
     if isinstance(projector, PooledProjector):
         side = math.isqrt(projector.tokens)

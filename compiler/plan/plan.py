@@ -16,8 +16,9 @@ import math
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mxc.records import omit_at_default
 from mxc.spec.ir import LOGICAL_AXES
 
 # Pipeline stages (compiler/lower/pipeline.py splits the stage dimension over this mesh axis).
@@ -150,13 +151,8 @@ class Lowering(_Value):
     loss_chunks: int = 1  # compiler/lower/choices.py's; 1 (the whole logits) in plans saved before it was kept
     optimizer_state_on_host: bool = False  # compiler/lower/choices.py's; False in plans saved before it was kept
 
-    @model_serializer(mode="wrap")
-    def _without_default_offload(self, handler):
-        # A plan that keeps the optimizer state in HBM reads as before the choice existed.
-        data = handler(self)
-        if not self.optimizer_state_on_host:
-            data.pop("optimizer_state_on_host", None)
-        return data
+    # A plan that keeps the optimizer state in HBM reads as before the choice existed.
+    _omit = omit_at_default("optimizer_state_on_host")
 
 
 class Pipeline(_Value):
