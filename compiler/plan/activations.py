@@ -12,6 +12,7 @@ import functools
 from mxc.compiler.kinds import kind_of
 from mxc.compiler.kinds.base import Intermediate
 from mxc.compiler.kinds.vision import encoder_layers, encoder_tokens, untagged_kept_names
+from mxc.compiler.lower.block import GATHERED_AXES
 from mxc.compiler.plan.choice import Choice
 from mxc.spec.ir import Block
 
@@ -89,7 +90,7 @@ def intermediates(block: Block, choice: Choice) -> list[Intermediate]:
     out = [
         Intermediate("layer_input", (b, s, d), residual, act),
         # A parallel block gathers its one normed input whole over the sequence for both sub-layers.
-        Intermediate("attention_norm_out", (b, s, d), ("batch", "seq", "embed") if block.parallel else residual, act),
+        Intermediate("attention_norm_out", (b, s, d), GATHERED_AXES if block.parallel else residual, act),
     ]
     own_core = getattr(kind_of(att), "attention_intermediates", None)  # cross-attention's: keys over images
     if own_core is not None:
