@@ -35,6 +35,13 @@ NEVER_READ = frozenset({"mlpwo"})
 # What plain autodiff (no remat) does not keep either: RoPE is linear, so its inputs are not
 # needed, and the attention output is needed only through the residual sum, which is kept.
 NOT_KEPT_WITHOUT_REMAT = NEVER_READ | {"query_proj", "key_proj", "out_proj"}
+# What plain autodiff keeps beyond the layer's named values, read off the stacks XLA's TPU program
+# saves (the two-layer Llama of tests/test_memory_no_remat.py, v5e-8, fsdp 8, no remat): each norm
+# on the residual stream its input in float32 and the square's derivative (2x), both float32; a
+# SiLU its sigmoid and the sigmoid's derivative, in the compute dtype. The other norms and
+# activations are counted alike or not at all: unmeasured.
+NORM_FLOAT32_COPIES = 2
+SILU_DERIVATIVE_COPIES = 2
 
 
 @functools.lru_cache(maxsize=256)
@@ -135,9 +142,24 @@ def layer_bytes(block_name: str, choice: Choice, policy: str) -> tuple[int, int]
     kept, offloaded = kept_names(policy)
     sizes = intermediate_bytes(block_name, choice)
     if "*" in kept:
-        return sum(size for name, size in sizes.items() if name not in NOT_KEPT_WITHOUT_REMAT), 0
+        named = sum(size for name, size in sizes.items() if name not in NOT_KEPT_WITHOUT_REMAT)
+        return named + autodiff_extra_bytes(block_name, choice), 0
     device = sum(size for name, size in sizes.items() if name in kept and name not in NEVER_READ)
     return device, sum(size for name, size in sizes.items() if name in offloaded and name not in NEVER_READ)
+
+
+def autodiff_extra_bytes(block_name: str, choice: Choice) -> int:
+    """One layer's values plain autodiff keeps that the layer does not name (NORM_FLOAT32_COPIES,
+    SILU_DERIVATIVE_COPIES): they count only where nothing is rematerialised."""
+    block = choice.spec.blocks[block_name]
+    sizes = intermediate_bytes(block_name, choice)
+    # float32 copies of a residual-shaped value: twice the compute dtype's layer input (bfloat16)
+    residual_float32 = sizes["layer_input"] * 4 // choice.compute_bytes
+    norms = (1 if block.parallel else 2) * (2 if block.post_norm is not None else 1)
+    extra = NORM_FLOAT32_COPIES * norms * residual_float32
+    if getattr(block.mlp, "act", None) == "silu" and "mlp_activation" in sizes:
+        extra += SILU_DERIVATIVE_COPIES * sizes["mlp_activation"]
+    return extra
 
 
 def layer_recomputed_bytes(block_name: str, choice: Choice) -> int:
