@@ -16,14 +16,16 @@ from mxc.compiler.lower.ffn import hidden_activation
 from mxc.spec.ir import MoE
 
 
-def grouped_matmul(rows: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_matmul(rows: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *,
+                   every_row_grouped: bool = False) -> jax.Array:
     """rows [m, k] sorted by group times each group's kernel [groups, k, n], as the lowering
     choices say: megablox's kernel (on TPU, where XLA runs ragged_dot as a masked matmul over
-    every group) or jax.lax.ragged_dot. Rows past the groups come back as zeros."""
+    every group) or jax.lax.ragged_dot. Rows past the groups come back as zeros;
+    `every_row_grouped` (sum(group_sizes) == m) spares megablox's masks."""
     choices = lowering_choices()
     if choices.grouped_matmul == "megablox":
         return megablox.grouped_matmul(rows, kernel, group_sizes, jnp.zeros((), jnp.int32),
-                                       choices.interpret_kernels)
+                                       choices.interpret_kernels, every_row_grouped)
     return jax.lax.ragged_dot(rows, kernel, group_sizes)
 
 
