@@ -65,9 +65,7 @@ class LoweringChoices:
     # runs 4 weight products a layer instead of 7; the lowering splits the products' outputs.
     joined_serving_projections: bool = False
     # Training's layer weight products gather their kernel explicitly over the fsdp axes (fsdp_gather.py),
-    # so each weight gradient is reduce-scattered rather than all-reduced whole and then sliced. No plan
-    # chooses it: XLA's TPU compiler turns the reduce-scatter back into the same all-reduce and slice
-    # (docs/plans.md, "Weight gradients reduce-scattered"); a plan file may still record it.
+    # so each weight gradient is reduce-scattered rather than all-reduced whole and then sliced.
     reduce_scattered_weight_gradients: bool = False
 
     @classmethod
