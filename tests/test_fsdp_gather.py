@@ -15,11 +15,8 @@ from artifact_builds import child_report
 RULES = {"batch": ["data", "fsdp"], "embed": ["fsdp"], "vocab": ["tensor"], "heads": ["tensor"],
          "kv_heads": ["tensor"], "mlp": ["tensor"]}
 MESHES = {"fsdp8": (1, 8, 1), "data2_fsdp4": (2, 4, 1), "fsdp4_tensor2": (1, 4, 2)}  # (data, fsdp, tensor)
-# "mesh/stacked=...": separate q/k/v and gate/up products (CPU plans) or stacked ones (TPU plans).
-# Each case compiles two programs in a child process: the first runs by default, the rest are slow.
-CASES = ["fsdp8/stacked=False", "data2_fsdp4/stacked=True", "fsdp4_tensor2/stacked=True"]
-SLOW = pytest.mark.slow
-PARAMS = [pytest.param(c, marks=() if i == 0 else SLOW) for i, c in enumerate(CASES)]
+# (mesh, stacked): separate q/k/v and gate/up products (CPU plans) or stacked ones (TPU plans)
+CASES = [("fsdp8", False), ("fsdp8", True), ("data2_fsdp4", True), ("fsdp4_tensor2", True)]
 
 
 def _collective_bytes(text: str, devices: int) -> dict:
@@ -31,7 +28,7 @@ def _collective_bytes(text: str, devices: int) -> dict:
     return totals
 
 
-def _child(cases: list[str]) -> dict:
+def _child() -> dict:
     import dataclasses
 
     import jax
@@ -55,8 +52,7 @@ def _child(cases: list[str]) -> dict:
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), t[:, 1:, None], -1))
 
     report = {}
-    for case in cases:
-        name, stacked = case.split("/")[0], case.endswith("True")
+    for name, stacked in CASES:
         mesh = Mesh(np.array(jax.devices()).reshape(MESHES[name]), ("data", "fsdp", "tensor"))
         sharded_params = jax.device_put(params, tree_shardings(param_axes(spec), mesh, RULES))
         sharded_tokens = jax.device_put(tokens, named_sharding(("batch", "seq"), mesh, RULES))
@@ -71,7 +67,7 @@ def _child(cases: list[str]) -> dict:
                 text = step.lower(sharded_params, sharded_tokens).compile().as_text()
             results[gathered] = (value, grads, _collective_bytes(text, 8))
         (v0, g0, c0), (v1, g1, c1) = results[False], results[True]
-        report[case] = {
+        report[f"{name}/stacked={stacked}"] = {
             "loss": [float(v0), float(v1)],
             "grad_max_abs_diff": max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(g0),
                                                                                    jax.tree.leaves(g1))),
@@ -80,41 +76,29 @@ def _child(cases: list[str]) -> dict:
     return report
 
 
-_REPORTS: dict = {}
+@pytest.fixture(scope="module")
+def report() -> dict:
+    return child_report(__file__, timeout=600, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+                        JAX_PLATFORMS="cpu")
 
 
-def _report(case: str) -> dict:
-    if case not in _REPORTS:
-        _REPORTS[case] = child_report(__file__, case, timeout=600, JAX_PLATFORMS="cpu",
-                                      XLA_FLAGS="--xla_force_host_platform_device_count=8")[case]
-    return _REPORTS[case]
-
-
-@pytest.mark.parametrize("case", PARAMS)
-def test_gathered_products_give_the_same_loss_and_gradients(case):
-    row = _report(case)
+@pytest.mark.parametrize("case", [f"{m}/stacked={s}" for m, s in CASES])
+def test_gathered_products_give_the_same_loss_and_gradients(report, case):
+    row = report[case]
     assert row["grad_max_abs"] > 1e-4  # real gradients, not zeros
     assert row["loss"][0] == pytest.approx(row["loss"][1], rel=1e-6)
     assert row["grad_max_abs_diff"] < 1e-6 * max(1.0, row["grad_max_abs"])
 
 
-@pytest.mark.parametrize("case", [p for p in PARAMS if "tensor" not in p.values[0]])
-def test_weight_gradients_are_reduce_scattered(case):
-    plain, gathered = _report(case)["plain"], _report(case)["gathered"]
+@pytest.mark.parametrize("case", [f"{m}/stacked={s}" for m, s in CASES])
+def test_weight_gradients_are_reduce_scattered(report, case):
+    plain, gathered = report[case]["plain"], report[case]["gathered"]
     # The plain program all-reduces the layers' weight gradients whole; gathered, they leave the
     # layer reduce-scattered and the all-reduced bytes fall (what remains: the embedding's, the
     # head's, norm scales', the data axis's sum of the scattered pieces, activations' over tensor).
     assert plain.get("reduce-scatter", 0.0) == 0.0
     assert gathered.get("reduce-scatter", 0.0) > 0.0
     assert gathered.get("all-reduce", 0.0) < plain.get("all-reduce", 0.0)
-    assert gathered.get("all-gather", 0.0) == plain.get("all-gather", 0.0)
-
-
-@SLOW
-def test_meshes_with_a_tensor_axis_keep_the_plain_product():
-    # The manual region would lose the kernel's split over tensor (twice the all-gathered bytes).
-    row = _report("fsdp4_tensor2/stacked=True")
-    assert row["gathered"] == row["plain"]
 
 
 def test_plans_record_the_choice_only_when_on():
@@ -127,6 +111,4 @@ def test_plans_record_the_choice_only_when_on():
 
 
 if __name__ == "__main__":
-    import sys
-
-    print(json.dumps(_child(sys.argv[1:])))
+    print(json.dumps(_child()))

@@ -6,7 +6,7 @@
 Left to the partitioner, a scanned layer's weight gradient in an FSDP training step is
 all-reduced whole over the fsdp axis and each device then slices its piece out of it. Here the
 product runs in a shard_map that is manual over the axes that split the batch and the weight's
-embedding dimension (data, fsdp, expert; meshes with other axes keep the plain product): the kernel's shard
+embedding dimension (data, fsdp, expert; the others, tensor, stay automatic): the kernel's shard
 is all-gathered, multiplied with the device's own tokens, and in the backward pass the
 transpose of that all-gather is a reduce-scatter of the device's partial weight gradient. The
 kernel is marked as varying over the axes that only split the batch (data) before the gather, so
@@ -69,11 +69,6 @@ def _layout(pattern: str, x, kernel):
     weight_axes = _axes(partition_spec(("embed",), rules, mesh)[0])
     # Only axes that split the tokens too: a partial weight gradient exists over exactly those.
     if not weight_axes or not set(weight_axes) <= set(batch_axes):
-        return None
-    # Inside the manual region the automatic axes' split of the kernel's other dimensions is lost:
-    # with a tensor axis the gathered kernel came out whole over tensor too (cpu-8, fsdp 4 x
-    # tensor 2: twice the all-gathered bytes), so such meshes keep the plain product.
-    if any(size > 1 and axis not in batch_axes for axis, size in mesh.shape.items()):
         return None
     letters = _letters(pattern, x.ndim)
     if letters is None:
