@@ -101,14 +101,5 @@ def test_weight_gradients_are_reduce_scattered(report, case):
     assert gathered.get("all-reduce", 0.0) < plain.get("all-reduce", 0.0)
 
 
-def test_plans_record_the_choice_only_when_on():
-    from mxc.compiler.plan.plan import Lowering
-
-    plain = Lowering(stacked_projections=True, interpret_kernels=False)
-    assert "reduce_scattered_weight_gradients" not in plain.model_dump_json()  # saved plans read as before
-    gathered = plain.model_copy(update={"reduce_scattered_weight_gradients": True})
-    assert Lowering.model_validate_json(gathered.model_dump_json()).reduce_scattered_weight_gradients
-
-
 if __name__ == "__main__":
     print(json.dumps(_child()))

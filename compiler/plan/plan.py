@@ -150,11 +150,9 @@ class Lowering(_Value):
     float32_logits_dot: bool = True  # compiler/lower/choices.py's; True in plans saved before it was kept
     loss_chunks: int = 1  # compiler/lower/choices.py's; 1 (the whole logits) in plans saved before it was kept
     optimizer_state_on_host: bool = False  # compiler/lower/choices.py's; False in plans saved before it was kept
-    reduce_scattered_weight_gradients: bool = False  # compiler/lower/choices.py's; False before it was kept
 
-    # A plan that keeps the optimizer state in HBM (and all-reduces weight gradients as XLA
-    # chooses) reads as before the choices existed.
-    _omit = omit_at_default("optimizer_state_on_host", "reduce_scattered_weight_gradients")
+    # A plan that keeps the optimizer state in HBM reads as before the choice existed.
+    _omit = omit_at_default("optimizer_state_on_host")
 
 
 class Pipeline(_Value):
