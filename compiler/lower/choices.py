@@ -64,9 +64,6 @@ class LoweringChoices:
     # 2 kv_heads, head_dim] and gate/up into one [embed, 2 mlp] (layer_layout.py), so a decode step
     # runs 4 weight products a layer instead of 7; the lowering splits the products' outputs.
     joined_serving_projections: bool = False
-    # Training's layer weight products gather their kernel explicitly over the fsdp axes (fsdp_gather.py),
-    # so each weight gradient is reduce-scattered rather than all-reduced whole and then sliced.
-    reduce_scattered_weight_gradients: bool = False
 
     @classmethod
     def for_platform(cls, platform: str) -> "LoweringChoices":

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from mxc.compiler.lower import attention, ffn
 from mxc.compiler.lower.block import RESIDUAL_AXES, block_layer_with_stats
 from mxc.compiler.lower.choices import lowering_choices
-from mxc.compiler.lower.fsdp_gather import model_width
 from mxc.compiler.lower.loss import LossSums, chunked_loss_sums, loss_sums
 from mxc.runtime.layer_layout import is_per_layer
 from mxc.compiler.lower.moe import MoEConfig
@@ -102,8 +101,7 @@ def run_segment(spec: ModelSpec, segment: Segment, params: list, x: jax.Array, p
         body = jax.checkpoint(body, policy=remat_policy, prevent_cse=False)
     if is_per_layer(params):  # serving on a CPU: one array per layer, no copies out of a stack
         return _run_layers(body, params, x, cache)
-    with model_width(spec.d_model):
-        x, (new_cache, stats) = jax.lax.scan(body, x, (params, cache))
+    x, (new_cache, stats) = jax.lax.scan(body, x, (params, cache))
     return x, new_cache, stats
 
 

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from mxc.compiler.lower.choices import lowering_choices, use_lowering
-from mxc.compiler.lower.fsdp_gather import kernel_product
 from mxc.compiler.lower.projection import weight
 from mxc.compiler.lower.sharding import active_rules, partition_spec
 
@@ -37,7 +36,7 @@ def project_pair(x, first: dict, second: dict, dtype, pattern: str, mlp: bool = 
     kernel and leading the output, e.g. "bse,ekhd->kbshd"; each projection's bias is added.
     Quantized kernels are dequantized first (projection.weight; `mlp`: the feed-forward's)."""
     kernel = jnp.stack([weight(first, dtype, mlp=mlp), weight(second, dtype, mlp=mlp)], axis=1)
-    return _with_biases(kernel_product(pattern, x, kernel), (first, second), dtype)
+    return _with_biases(jnp.einsum(pattern, x, kernel), (first, second), dtype)
 
 
 def heads_unsplit() -> bool:
@@ -55,7 +54,7 @@ def project_joined(x, projections: list[dict], dtype, pattern: str) -> tuple:
     shapes may differ (the heads of [embed, heads, head_dim]); `pattern` puts that axis third in
     the output, e.g. "bse,ehd->bshd". Each projection's bias is added to its part."""
     kernel = jnp.concatenate([weight(p, dtype) for p in projections], axis=1)
-    joined = kernel_product(pattern, x, kernel)
+    joined = jnp.einsum(pattern, x, kernel)
     parts = jnp.split(joined, np.cumsum([p["kernel"].shape[1] for p in projections])[:-1], axis=2)
     return _with_biases(parts, projections, dtype)
 

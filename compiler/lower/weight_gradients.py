@@ -144,6 +144,4 @@ def weight_product(pattern: str, x: jax.Array, kernel: jax.Array, out_dtype=None
 
     if lowering_choices().canonical_weight_gradients:
         return checkpoint_name(weight_einsum(pattern, x, kernel, out_dtype), WEIGHT_PRODUCT)
-    from mxc.compiler.lower.fsdp_gather import kernel_product
-
-    return kernel_product(pattern, x, kernel, out_dtype)
+    return jnp.einsum(pattern, x, kernel, preferred_element_type=out_dtype)
