@@ -85,6 +85,14 @@ TIED_HEAD_LOGITS = 1
 # minimal_with_context, one microbatch: XLA 65.86 GiB; with the dense layers' 0.4 share the
 # prediction was 54.5 GiB (0.83), with all of them 1.0 (docs/plans.md).
 DISPATCH_WORKING_SET = 1.0
+# Under sequence parallelism a layer's backward also holds values whole over the sequence that the
+# split residual stream does not show: the gathered normed input and the output projections'
+# incoming gradient, gathered, and the normed input's gradient before its reduce-scatter. XLA's
+# buffer assignment at the layer backward of MaxText's 32B layer on v5p-128 (fsdp 16 x tensor 4,
+# minimal, 4-layer stand-ins, parallel and sequential blocks alike): four bf16[32,2048,10240],
+# 1280 MiB each, beside the layer's other values; without them the stand-ins read 0.740 (parallel)
+# and 0.658 (sequential), the full 32-layer model 0.940.
+SEQUENCE_PARALLEL_WHOLE_RESIDUALS = 4
 # In a plan that offloads activations, an untied head's weight gradient comes after the layers'
 # backward too: XLA's buffer assignment keeps the float32 logits from the loss to past the backward
 # loop (Llama 3.1 405B on v5p-1024, fsdp 512, layer input offloaded, 7.83 GiB; Llama 3.1 8B on
@@ -283,7 +291,7 @@ def temporaries_parts(choice: Choice, host: float) -> tuple[float, float, float]
     layer_working = max(layer_working, vision_bytes(choice)[1])
     gathered = gathered_layer_bytes(choice)
     loss_peak = loss_peak_bytes(choice)
-    layer_peak = layer_working + GATHERED_LAYERS * gathered
+    layer_peak = layer_working + GATHERED_LAYERS * gathered + whole_residual_bytes(choice)
     held_logits = 0
     if spec.embedding.tied:
         layer_peak += TIED_HEAD_LOGITS * loss_logits_bytes(choice)
@@ -296,6 +304,19 @@ def temporaries_parts(choice: Choice, host: float) -> tuple[float, float, float]
     layers = layer_peak + offload_staging_bytes(choice, host)
     irreducible = max(LOGITS_IRREDUCIBLE * loss_logits_bytes(choice) + GATHERED_AT_LOSS * gathered, layer_peak)
     return max(loss_peak, layers + held_logits), irreducible, max(loss_peak, layers)
+
+
+def whole_residual_bytes(choice: Choice) -> int:
+    """What a layer's backward holds whole over the sequence under sequence parallelism
+    (SEQUENCE_PARALLEL_WHOLE_RESIDUALS residual-shaped values, gathered like a parallel block's
+    normed input); 0 where the residual stream is not split over tensor."""
+    from mxc.compiler.lower.block import GATHERED_AXES
+    from mxc.compiler.plan.rules import sequence_parallel
+
+    if not sequence_parallel(choice.rules):
+        return 0
+    whole = choice.local((choice.microbatch, choice.seq, choice.spec.d_model), GATHERED_AXES)
+    return SEQUENCE_PARALLEL_WHOLE_RESIDUALS * whole * choice.compute_bytes
 
 
 def offload_staging_bytes(choice: Choice, host: float) -> float:
