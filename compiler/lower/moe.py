@@ -287,18 +287,25 @@ def moe_layer(moe: MoE, params: dict, x: jax.Array, config: MoEConfig = MoEConfi
         # keeps the lowering choices of the concrete mesh outside.
         choices = lowering_choices()
         manual = frozenset(names)
+        hidden = ()  # mesh axes splitting the experts' hidden units inside the region
         if config.path == "dropless" and choices.grouped_matmul == "megablox":
             # A Pallas kernel is not partitioned by XLA: megablox needs a region manual over every
-            # mesh axis, which the batch's axes are when the others have one device. Otherwise
-            # the rows go through ragged_dot (on TPU a masked matmul over every expert: plans
-            # take this path only on such meshes, compiler/plan/candidates.py).
-            if all(mesh.shape[a] == 1 for a in mesh.axis_names if a not in names):
+            # mesh axis, which the batch's axes are when the others have one device, or when the
+            # others only split the experts' hidden units (tensor): each device then runs its
+            # slice of every expert and the partial outputs are summed, as MaxText's dropless
+            # path does. Otherwise the rows go through ragged_dot (on TPU a masked matmul over
+            # every expert: plans take this path only on such meshes, compiler/plan/candidates.py).
+            others = {a for a in mesh.axis_names if a not in names and mesh.shape[a] > 1}
+            hidden_names = _names_of(partition_spec(("mlp",), active_rules()[1], mesh)[0])
+            if not others or (others == set(hidden_names) and "bias" not in params["experts"]["down"]):
                 manual, inner_rules = frozenset(mesh.axis_names), {}
+                hidden = hidden_names if others else ()
             else:
                 choices = dataclasses.replace(choices, grouped_matmul="ragged_dot")
 
         if manual == frozenset(mesh.axis_names):
-            weight_specs, gathers = _expert_inputs(routed_params["experts"], moe, x.shape[-1], manual)
+            weight_specs, gathers = _expert_inputs(routed_params["experts"], moe, x.shape[-1], manual,
+                                                   keep=("mlp",) if hidden else ())
         else:
             # Partly manual (ragged_dot beside a tensor axis): the weights enter whole, as the
             # partitioner splits ragged_dot's masked matmul better than a gathered weight
@@ -310,7 +317,9 @@ def moe_layer(moe: MoE, params: dict, x: jax.Array, config: MoEConfig = MoEConfi
             p = {**p, "experts": _gathered(p["experts"], gathers, x.dtype)}
             # Constraints inside name the mesh as shard_map sees it, its batch axes manual.
             with use_rules(jax.sharding.get_abstract_mesh(), inner_rules), use_lowering(choices):
-                return _routed(moe, p, x, config, total=lambda v: jax.lax.psum(v, names))
+                y, stats = _routed(moe, p, x, config, total=lambda v: jax.lax.psum(v, names))
+            # Each hidden slice's `down` product is a partial sum of the output.
+            return (jax.lax.psum(y, hidden) if hidden else y), stats
 
         param_specs = {"router": jax.tree.map(lambda _: PartitionSpec(), routed_params["router"]),
                        "experts": weight_specs}
