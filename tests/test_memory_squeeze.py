@@ -1,4 +1,4 @@
-"""Which plans the memory model squeezes (memory.squeezed_to: XLA rematerialising near the HBM
+"""Which plans the memory model squeezes (memory.predict_squeezed: XLA rematerialising near the HBM
 limit), as the verified search reads them: search._squeezed_share decides which candidates an
 out-of-memory refusal condemns, so a plan predicted as asked must not count as squeezed."""
 
@@ -40,7 +40,7 @@ def test_a_plan_predicted_without_the_held_logits_is_not_squeezed():
                    optimizer_on_host=True)
     asked, _, unheld = memory.temporaries_parts(item.choice, _activations_host(item))
     assert item.memory.temporaries == int(unheld) < asked
-    assert memory.squeezed_to(item.choice) is None
+    assert item.squeezed_to is None
     assert _squeezed_share(item) is None
 
 
@@ -50,7 +50,7 @@ def test_moments_on_host_do_not_make_a_plan_squeezed():
     item = _scored("llama3-tiny", parse("v5p-8"), {"fsdp": 4}, "full", 64, 16, optimizer_on_host=True)
     assert item.memory.host > 0 and _activations_host(item) == 0
     assert item.memory.temporaries == int(memory.temporaries_parts(item.choice, 0)[0])
-    assert memory.squeezed_to(item.choice) is None
+    assert item.squeezed_to is None
     assert _squeezed_share(item) is None
 
 
@@ -63,7 +63,7 @@ def test_a_squeezed_plan_reports_its_irreducible_part():
     item = _scored("llama3.1-405b", parse("v6e-256", 2), {"fsdp": 128, "tensor": 4}, policy, 8192, 512)
     asked, irreducible, _ = memory.temporaries_parts(item.choice, _activations_host(item))
     assert item.memory.temporaries < asked
-    assert memory.squeezed_to(item.choice) == irreducible
+    assert item.squeezed_to == irreducible
     room = item.choice.topology.usable_hbm_bytes - (item.memory.total - item.memory.temporaries)
     assert abs(item.memory.total - memory.SQUEEZED_SHARE * item.choice.topology.usable_hbm_bytes) <= 1
     assert _squeezed_share(item) == irreducible / room < 1

@@ -41,6 +41,7 @@ class Scored(NamedTuple):
     choice: Choice
     memory: Memory
     time: StepTime
+    squeezed_to: float | None = None  # memory.predict_squeezed's irreducible temporaries
 
 
 def divisors(n: int) -> list[int]:
@@ -229,7 +230,8 @@ def on_capacity_path(item: Scored) -> bool:
 
 
 def score(choice: Choice) -> Scored:
-    return Scored(choice, memory.predict(choice), adjust_time(choice, cost.step_time(choice)))
+    predicted, squeezed_to = memory.predict_squeezed(choice)
+    return Scored(choice, predicted, adjust_time(choice, cost.step_time(choice)), squeezed_to)
 
 
 def fits(item: Scored, hbm: int) -> bool:
@@ -257,9 +259,9 @@ def fastest_fitting(spec: ModelSpec, params: Parameters, topology: Topology, seq
                     pins: Mapping[str, int]) -> Scored | None:
     best = None
     for choice in choices(spec, params, topology, seq, batch, pins):
-        predicted = memory.predict(choice)
+        predicted, squeezed_to = memory.predict_squeezed(choice)
         if predicted.total <= topology.usable_hbm_bytes and predicted.host <= memory.host_budget(choice):
-            item = Scored(choice, predicted, adjust_time(choice, cost.step_time(choice)))
+            item = Scored(choice, predicted, adjust_time(choice, cost.step_time(choice)), squeezed_to)
             if best is None or rank(item) < rank(best):
                 best = item
     return best

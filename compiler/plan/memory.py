@@ -235,18 +235,13 @@ def _gathered_layer_bytes(choice: Choice) -> int:
 
 
 def predict(choice: Choice) -> Memory:
-    return _predicted(choice)[0]
+    return predict_squeezed(choice)[0]
 
 
-def squeezed_to(choice: Choice) -> float | None:
-    """Where predict squeezes the plan's temporaries to fit (`squeezed`: XLA rematerialises near
-    the HBM limit), their irreducible part, which its prediction rests on fitting; None where they
-    are predicted as asked."""
-    return _predicted(choice)[1]
-
-
-def _predicted(choice: Choice) -> tuple[Memory, float | None]:
-    """(predict's Memory, squeezed_to's irreducible part or None)."""
+def predict_squeezed(choice: Choice) -> tuple[Memory, float | None]:
+    """(predict's Memory, and where it squeezes the plan's temporaries to fit (`squeezed`: XLA
+    rematerialises near the HBM limit) their irreducible part, which the prediction rests on
+    fitting; None where they are predicted as asked)."""
     spec = choice.spec
     parameters = parameter_bytes(choice)
     device = host = 0

@@ -271,7 +271,7 @@ def _to_compile(fitting: list[Scored], verdicts: dict, attempts: int,
 def _squeezed_share(item: Scored) -> float | None:
     """The share of the room beside the state that a squeezed candidate's irreducible temporaries
     take; None where its temporaries are not squeezed."""
-    irreducible = memory.squeezed_to(item.choice)
+    irreducible = item.squeezed_to
     if irreducible is None:
         return None
     room = item.choice.topology.usable_hbm_bytes - (item.memory.total - item.memory.temporaries)
