@@ -74,22 +74,26 @@ def _load(ref: str, overrides: list[str] = ()):
     return next(iter(load_models(ref, overrides).values()))
 
 
-def _dtype_overrides(row: dict) -> list[str]:
-    """The `--set` a MaxText user adds to compile a recipe's weight_dtype / dtype: mxc's
-    `--maxtext` refuses them unless the spec's param_dtype / compute_dtype already agree (and says
-    to add this), so the bench compiles the model with the recipe's dtypes, as that user would."""
+def _spec_overrides(row: dict) -> list[str]:
+    """The `--set` a MaxText user adds to compile a recipe's weight_dtype / dtype, or its model
+    without the spec's multi-token prediction (mtp_num_layers 0, MaxText's default): mxc's
+    `--maxtext` refuses them unless the spec already agrees (and says to add this), so the bench
+    compiles the model as the recipe has it, as that user would."""
     from mxc.compiler.plan.maxtext import SPEC_FIELDS
 
-    spec = _load(row["model"])
-    return [f"{field_name}={row['tuning_params'][key]}" for key, field_name in SPEC_FIELDS.items()
-            if key in row["tuning_params"] and str(getattr(spec, field_name)) != str(row["tuning_params"][key])]
+    spec, params = _load(row["model"]), row["tuning_params"]
+    overrides = [f"{field_name}={params[key]}" for key, field_name in SPEC_FIELDS.items()
+                 if key in params and str(getattr(spec, field_name)) != str(params[key])]
+    if spec.mtp is not None and not params.get("mtp_num_layers", 0):
+        overrides.append("mtp=none")
+    return overrides
 
 
 def _changed(row: dict) -> list[str]:
     """How the compiled program departs from the recipe as written: the saved terms' record."""
     from mxc.compiler.plan.maxtext import DEVICE_ORDER
 
-    return [f"--set {o}" for o in _dtype_overrides(row)] + [
+    return [f"--set {o}" for o in _spec_overrides(row)] + [
         f"mxc's device order for {key} {row['tuning_params'][key]}"
         for key in DEVICE_ORDER if key in row["tuning_params"]]
 
@@ -140,14 +144,14 @@ def compile_rows(args) -> int:
             continue
         if args.skip_done and row["name"] in saved:
             continue
-        overrides = _dtype_overrides(row)
+        overrides = _spec_overrides(row)
         spec = _load(row["model"], overrides)
         topology = parse(row["topology"], row["slices"])
         print(f"\n{row['name']}: {row['model']} on {row['topology']}"
               + (f" x {row['slices']} slices" if row["slices"] > 1 else "")
               + f", seq {row['seq']}, batch {row['global_batch']} ({row['maxtext_config']})", flush=True)
         if overrides:
-            print("  the recipe's dtypes, as mxc is told them: " + " ".join(f"--set {o}" for o in overrides),
+            print("  the recipe's model, as mxc is told it: " + " ".join(f"--set {o}" for o in overrides),
                   flush=True)
         terms: list = []
         texts: list = []
@@ -208,7 +212,7 @@ def reread_rows(args) -> int:
         path = Path(args.reread) / _hlo_name(row)
         if not path.exists():
             continue
-        spec, topology = _load(row["model"], _dtype_overrides(row)), parse(row["topology"], row["slices"])
+        spec, topology = _load(row["model"], _spec_overrides(row)), parse(row["topology"], row["slices"])
         fixed = plan_setting(spec, topology, row["tuning_params"], seq=row["seq"], verify=False)
         time, terms = estimate_from_text(spec, fixed, topology, path.read_text(), plan_mesh(fixed, topology))
         entry = saved.setdefault(row["name"], {"status": "fits", "compiled_for": ", ".join(

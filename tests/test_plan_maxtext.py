@@ -11,7 +11,7 @@ import pytest
 from mxc.compiler.cli import main
 from mxc.compiler.plan.maxtext import MaxTextError, parse_pairs, plan_setting, setting
 from mxc.compiler.topology import parse
-from mxc.spec.load import load_model
+from mxc.spec.load import load_model, load_models
 
 LLAMA_8B_RECIPE = ["per_device_batch_size=4", "ici_fsdp_parallelism=-1", "remat_policy=custom",
                    "decoder_layer_input=offload", "out_proj=offload", "query_proj=offload", "key_proj=offload",
@@ -131,6 +131,26 @@ def test_the_weight_and_activation_dtypes_are_the_specs():
     spec = load_model("llama3.1-8b").model_copy(update={"param_dtype": "bfloat16"})
     params = parse_pairs([*LLAMA_8B_RECIPE, "weight_dtype=bfloat16"])
     assert "weight_dtype bfloat16: the spec's param_dtype" in setting(params, spec, parse("v6e-256")).notes
+
+
+def test_multi_token_prediction_is_the_specs():
+    # MaxText's mtp_num_layers defaults to 0: a recipe without it is DeepSeek V3 without its MTP
+    # module, which mxc compiles only when told (tpu-recipes' DeepSeek3-671B ran so).
+    deepseek = ["per_device_batch_size=1", "ici_fsdp_parallelism=-1", "remat_policy=full", "sparse_matmul=true",
+                "max_target_length=4096"]
+    with pytest.raises(MaxTextError, match="deepseek3-671b has 1 multi-token prediction module.*add --set mtp=none"):
+        _setting("deepseek3-671b", "v5p-1024", deepseek)
+    s = _setting("deepseek3-671b", "v5p-1024", [*deepseek, "mtp_num_layers=1", "mtp_loss_scaling_factor=0.3"])
+    assert "mtp_num_layers 1: the spec's multi-token prediction" in s.notes
+    with pytest.raises(MaxTextError, match="loss weight is 0.3; add --set mtp.loss_weight=0.1"):
+        _setting("deepseek3-671b", "v5p-1024", [*deepseek, "mtp_num_layers=1", "mtp_loss_scaling_factor=0.1"])
+    without = next(iter(load_models("deepseek3-671b", ["mtp=none"]).values()))
+    s = setting(parse_pairs([*deepseek, "mtp_loss_scaling_factor=0.1"]), without, parse("v5p-1024"))
+    assert "mtp_loss_scaling_factor" in s.ignored
+    with pytest.raises(MaxTextError, match="llama3.1-8b has 0 multi-token prediction"):
+        _setting("llama3.1-8b", "v6e-256", [*LLAMA_8B_RECIPE, "mtp_num_layers=1"])
+    with pytest.raises(MaxTextError, match="mtp_num_layers=-1: a whole number"):
+        _setting("llama3.1-8b", "v6e-256", [*LLAMA_8B_RECIPE, "mtp_num_layers=-1"])
 
 
 def test_a_key_that_would_change_the_program_is_refused():

@@ -150,6 +150,7 @@ def setting(params: dict[str, object], spec, topology, *, seq: int | None = None
                 raise MaxTextError(f"--maxtext {key}={value}: mxc compiles {key}={expected} only")
             ignored.append(key)
             params.pop(key)
+    _multi_token_prediction(params, spec, notes, ignored)
     moe = any(kind_of(block.mlp).routing(block.mlp) is not None for block in spec.blocks.values())
     axes_keys = {k for k in params if k.startswith(("ici_", "dcn_")) and k.endswith("_parallelism")}
     remat_keys = {k for k in params if k in REMAT_NAMES}
@@ -194,6 +195,31 @@ def setting(params: dict[str, object], spec, topology, *, seq: int | None = None
     on_host = _optimizer_offload(params, notes)
     return Setting(seq, batch, mesh, dcn, remat, microbatches, attention, experts, notes, sorted(ignored),
                    float32_logits_dot, loss_chunks, on_host)
+
+
+def _multi_token_prediction(params, spec, notes: list[str], ignored: list[str]) -> None:
+    """MaxText's mtp_num_layers (default 0: no multi-token prediction) must be the spec's MTP depth:
+    the modules are part of the program, so a spec that has them is compiled without them only
+    when the user says so (`--set mtp=none`), as for the dtypes."""
+    layers = params.pop("mtp_num_layers", 0)
+    scaling = params.pop("mtp_loss_scaling_factor", None)
+    depth = spec.mtp.depth if spec.mtp is not None else 0
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 0:
+        raise MaxTextError(f"--maxtext mtp_num_layers={layers}: a whole number of layers, 0 or more")
+    if layers != depth:
+        if layers == 0:
+            raise MaxTextError(f"--maxtext mtp_num_layers 0 (MaxText's default): {spec.name} has {depth} "
+                               "multi-token prediction module(s); add --set mtp=none to compile it without them")
+        raise MaxTextError(f"--maxtext mtp_num_layers={layers}: {spec.name} has {depth} multi-token prediction "
+                           "module(s); mxc compiles the spec's")
+    if depth == 0:
+        if scaling is not None:
+            ignored.append("mtp_loss_scaling_factor")  # no modules: it weighs nothing
+        return
+    notes.append(f"mtp_num_layers {layers}: the spec's multi-token prediction")
+    if scaling is not None and float(scaling) != spec.mtp.loss_weight:
+        raise MaxTextError(f"--maxtext mtp_loss_scaling_factor={scaling}: {spec.name}'s MTP loss weight is "
+                           f"{spec.mtp.loss_weight}; add --set mtp.loss_weight={scaling} to compile it with {scaling}")
 
 
 def _vocab_tiling(params, seq: int, mesh, notes: list[str]) -> int:
