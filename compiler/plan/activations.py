@@ -198,6 +198,41 @@ def dispatch_bytes(block_name: str, choice: Choice) -> int:
     return sum(size for name, size in intermediate_bytes(block_name, choice).items() if name in DISPATCH_BUFFERS)
 
 
+# Where megablox runs in a region manual over every mesh axis (megablox_region), every sorted
+# row belongs to one of the device's groups: the kernel reads the sorted rows as they are (no
+# masked copy of them, compiler/lower/megablox.py), and the expert's activation is fused into the
+# product that feeds `down`. XLA's buffer assignment of DeepSeek V3's MoE layer backward (v5p-1024,
+# fsdp 512, 49152 tokens x top 8 a device): three [393216, 7168] row buffers (the sorted rows, the
+# output's, the combined) and three [393216, 2048] (gate, up, and the hidden units or their
+# gradient) at once, 20.25 GiB, where the dispatch's names count four of each, 27.0 GiB.
+NOT_HELD_IN_MEGABLOX_REGION = frozenset({"grouped_rows", "expert_mlp_activation"})
+
+
+def megablox_region(block_name: str, choice: Choice) -> bool:
+    """Whether a layer's dropless experts run megablox in a region manual over every mesh axis
+    (compiler/lower/moe.py): on TPU, the experts unsplit, and the mesh's other axes all split the
+    batch or, where the experts have no bias on down, the experts' hidden units."""
+    ffn = choice.spec.blocks[block_name].mlp
+    if (choice.topology.platform != "tpu" or choice.expert_path != "dropless" or choice.split("experts") > 1
+            or kind_of(ffn).routing(ffn) is None):
+        return False
+    batch_axes = set(choice.rules.get("batch", ()))
+    others = {axis for axis, size in choice.mesh.items() if size > 1 and axis not in batch_axes}
+    return not others or (others <= set(choice.rules.get("mlp", ())) and not getattr(ffn.expert, "bias", False))
+
+
+def dispatch_held_bytes(block_name: str, choice: Choice) -> int:
+    """What of the dropless dispatch's buffers a layer's backward holds at once: all of them,
+    but for those megablox's region makes no separate buffer of (NOT_HELD_IN_MEGABLOX_REGION)."""
+    from mxc.compiler.kinds.moe import DISPATCH_BUFFERS
+
+    if choice.expert_path != "dropless":
+        return 0
+    unheld = NOT_HELD_IN_MEGABLOX_REGION if megablox_region(block_name, choice) else frozenset()
+    return sum(size for name, size in intermediate_bytes(block_name, choice).items()
+               if name in DISPATCH_BUFFERS and name not in unheld)
+
+
 def attention_score_bytes(block_name: str, choice: Choice) -> int:
     """One layer's materialised attention probabilities (the XLA path; 0 under flash attention)."""
     return intermediate_bytes(block_name, choice).get("attention_probabilities", 0)

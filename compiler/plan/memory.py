@@ -23,8 +23,9 @@ mxc's own train step compiled for TPU targets (docs/plans.md lists the runs).
 from __future__ import annotations
 
 from mxc.compiler.kinds import kind_of
-from mxc.compiler.plan.activations import (attention_score_bytes, dispatch_bytes, intermediate_bytes,
-                                          kept_names, layer_bytes, layer_working_bytes, vision_bytes)
+from mxc.compiler.plan.activations import (attention_score_bytes, dispatch_bytes, dispatch_held_bytes,
+                                          intermediate_bytes, kept_names, layer_bytes, layer_working_bytes,
+                                          megablox_region, vision_bytes)
 from mxc.compiler.plan.choice import Choice, layer_counts
 from mxc.compiler.plan.plan import Memory
 from mxc.compiler.plan.stages import adjust_memory
@@ -85,6 +86,18 @@ TIED_HEAD_LOGITS = 1
 # minimal_with_context, one microbatch: XLA 65.86 GiB; with the dense layers' 0.4 share the
 # prediction was 54.5 GiB (0.83), with all of them 1.0 (docs/plans.md).
 DISPATCH_WORKING_SET = 1.0
+# Where a layer's dropless experts run megablox in a region manual over every mesh axis
+# (activations.megablox_region), their weights enter the region as their stored shards and are
+# gathered inside in the compute dtype (compiler/lower/moe.py): XLA holds them once through the
+# layer's backward (its recomputation, the input gradients, then the weight gradients), none
+# prefetched beside another layer's, and each weight's gradient leaves as a bfloat16
+# reduce-scatter, one at a time: its product and the relayout copy the collective takes, beside
+# the weights not yet differentiated. XLA's buffer assignment of DeepSeek V3's MoE layer backward
+# (v5p-1024, fsdp 512): the three [256, 7168, 2048] bf16 weights, 7 GiB each, from the layer's
+# recomputation to their gradients, 28 GiB at most (two weights, the third's gradient and its
+# copy), where three gathered copies of the layer counted 64.3 GiB. So such a layer's experts
+# count once, and the largest of them once more.
+EXPERT_GRADIENTS_IN_FLIGHT = 1
 # Under sequence parallelism a layer's backward also holds values whole over the sequence that the
 # split residual stream does not show: the gathered normed input and the output projections'
 # incoming gradient, gathered, and the normed input's gradient before its reduce-scatter. XLA's
@@ -223,15 +236,58 @@ def gathered_layer_bytes(choice: Choice) -> int:
 
 
 def _gathered_layer_bytes(choice: Choice) -> int:
-    per_kind: dict[str, int] = {}
+    return max((sum(parts[:2]) for parts in gathered_parts(choice).values()), default=0)
+
+
+def gathered_parts(choice: Choice) -> dict[tuple[str, str], tuple[int, int, int]]:
+    """Each layer kind's weights gathered as gathered_layer_bytes counts them, by (kind, position
+    in its segment): (the weights but the routed experts', the routed experts', the largest of
+    the routed experts' tensors)."""
+    return choice.memo("gathered_parts", lambda: _gathered_parts(choice))
+
+
+def _gathered_parts(choice: Choice) -> dict[tuple[str, str], tuple[int, int, int]]:
+    per_kind: dict[tuple[str, str], list[int]] = {}
     for tensor in choice.params.tensors:
         if not tensor.path.startswith("segments/") or tensor.axes[:1] != ("layers",):
             continue
         segment, position = tensor.path.split("/")[1:3]
         local = choice.local(tensor.shape, tensor.axes) * choice.gather_factor(tensor.axes)
-        key = f"{segment}/{position}"
-        per_kind[key] = per_kind.get(key, 0) + local // tensor.shape[0]
-    return max(per_kind.values(), default=0) * choice.compute_bytes
+        size = local // tensor.shape[0] * choice.compute_bytes
+        parts = per_kind.setdefault((segment, position), [0, 0, 0])
+        if "/mlp/experts/" in tensor.path:
+            parts[1] += size
+            parts[2] = max(parts[2], size)
+        else:
+            parts[0] += size
+    return {key: tuple(parts) for key, parts in per_kind.items()}
+
+
+def _block_names(choice: Choice) -> dict[tuple[str, str], str]:
+    """The block kind at each (segment, position in its period) of the parameters' paths."""
+    return {(str(s), str(p)): name for s, segment in enumerate(choice.spec.layers)
+            for p, name in enumerate(segment.period)}
+
+
+def layer_gathered_bytes(choice: Choice) -> int:
+    """The weights gathered whole at a layer's backward, the largest layer's: GATHERED_LAYERS
+    copies (the one in use, the next one prefetched, its gradient before the reduce-scatter), but
+    routed experts gathered inside megablox's region once, with one of them in flight to its
+    reduce-scatter (EXPERT_GRADIENTS_IN_FLIGHT)."""
+    # megablox_region reads the expert path (in the shapes' key) and the platform
+    return choice.memo(f"layer_gathered_bytes/{choice.topology.platform}", lambda: _layer_gathered_bytes(choice),
+                       shapes=True)
+
+
+def _layer_gathered_bytes(choice: Choice) -> int:
+    block_of = _block_names(choice)
+    best = 0
+    for key, (dense, experts, largest) in gathered_parts(choice).items():
+        if experts and megablox_region(block_of[key], choice):
+            best = max(best, GATHERED_LAYERS * dense + experts + EXPERT_GRADIENTS_IN_FLIGHT * largest)
+        else:
+            best = max(best, GATHERED_LAYERS * (dense + experts))
+    return best
 
 
 def predict(choice: Choice) -> Memory:
@@ -278,15 +334,15 @@ def temporaries_parts(choice: Choice, host: float) -> tuple[float, float, float]
     does not hold an untied head's logits through the layers' backward)."""
     spec = choice.spec
     kinds = layer_counts(spec)
-    layer_working = max(LAYER_WORKING_SET * layer_working_bytes(name, choice)
+    layer_working = max(LAYER_WORKING_SET * (layer_working_bytes(name, choice) - dispatch_bytes(name, choice))
                   + (ATTENTION_SCORE_BUFFERS - LAYER_WORKING_SET) * attention_score_bytes(name, choice)
-                  + (DISPATCH_WORKING_SET - LAYER_WORKING_SET) * dispatch_bytes(name, choice)
+                  + DISPATCH_WORKING_SET * dispatch_held_bytes(name, choice)
                   for name in kinds)
     # One of a vision tower's layers' backward is another candidate for the largest working set.
     layer_working = max(layer_working, vision_bytes(choice)[1])
     gathered = gathered_layer_bytes(choice)
     loss_peak = loss_peak_bytes(choice)
-    layer_peak = layer_working + GATHERED_LAYERS * gathered + whole_residual_bytes(choice)
+    layer_peak = layer_working + layer_gathered_bytes(choice) + whole_residual_bytes(choice)
     held_logits = 0
     if spec.embedding.tied:
         layer_peak += TIED_HEAD_LOGITS * loss_logits_bytes(choice)
