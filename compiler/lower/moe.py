@@ -410,7 +410,6 @@ def _gathered(experts: dict, gathers, dtype) -> dict:
 class _ExpertParallel(NamedTuple):
     mesh: object
     batch_spec: PartitionSpec
-    expert_specs: dict
     expert_names: tuple[str, ...]
     hidden_names: tuple[str, ...]
     batch_names: tuple[str, ...]
@@ -418,12 +417,12 @@ class _ExpertParallel(NamedTuple):
 
 
 def _manual_layout(moe: MoE, x: jax.Array, rules, mesh):
-    """(batch spec, expert weights' specs, mesh axes of the experts, of the hidden units, of the
-    batch) for a region manual over every mesh axis."""
+    """(batch spec, mesh axes of the experts, of the hidden units, of the batch) for a region
+    manual over every mesh axis."""
     batch_spec = partition_spec(("batch", None, None), rules, mesh)
     expert_specs = _expert_specs(moe, x.shape[-1], rules, mesh)
     up_spec = expert_specs["up"]["kernel"]  # [experts, embed, mlp]
-    return (batch_spec, expert_specs, _names_of(up_spec[0]), _names_of(up_spec[2]),
+    return (batch_spec, _names_of(up_spec[0]), _names_of(up_spec[2]),
             _names_of(batch_spec[0]))
 
 
@@ -434,14 +433,14 @@ def _expert_parallel_layout(moe: MoE, x: jax.Array) -> _ExpertParallel | None:
     if active is None:
         return None
     mesh, rules = active
-    batch_spec, expert_specs, expert_names, hidden_names, batch_names = _manual_layout(moe, x, rules, mesh)
+    batch_spec, expert_names, hidden_names, batch_names = _manual_layout(moe, x, rules, mesh)
     split_names = tuple(n for n in expert_names if n not in batch_names)
     size = lambda names: math.prod(mesh.shape[n] for n in names)  # noqa: E731
     if not expert_names or set(hidden_names) & set(batch_names) or x.shape[0] % size(batch_names):
         return None
     if (x.shape[0] // size(batch_names) * x.shape[1]) % size(split_names):
         return None
-    return _ExpertParallel(mesh, batch_spec, expert_specs, expert_names, hidden_names, batch_names, split_names)
+    return _ExpertParallel(mesh, batch_spec, expert_names, hidden_names, batch_names, split_names)
 
 
 def _routed_expert_parallel(moe: MoE, params: dict, x: jax.Array, config: MoEConfig,
