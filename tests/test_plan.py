@@ -166,10 +166,19 @@ def test_moe_layers_are_planned_dropless_with_expert_parallelism():
     whole = plan(spec, parse("v5p-256"), seq=4096, batch=1024, pins={"expert": 1, "tensor": 1}, verify=False)
     assert whole.expert_path == "dropless"
     assert whole.mesh["fsdp"] * whole.mesh["data"] == whole.chips  # every device splits the batch
-    # Where no dropless plan can run (experts whole, a tensor axis beside the batch's), the
+    # Experts whole with a tensor axis beside the batch's: megablox runs each device's slice of
+    # the experts' hidden units, still dropless.
+    hidden = plan(spec, parse("v5p-256"), seq=4096, batch=1024, pins={"expert": 1, "tensor": 2}, verify=False)
+    assert hidden.expert_path == "dropless" and hidden.mesh["tensor"] == 2
+    # Where no dropless plan can run (experts whole, and an axis that splits neither the batch
+    # nor the hidden units; or a bias on down, which each slice's partial sum would repeat), the
     # capacity path does.
-    fallback = plan(spec, parse("v5p-256"), seq=4096, batch=1024, pins={"expert": 1, "tensor": 2}, verify=False)
+    fallback = plan(spec, parse("v5p-256"), seq=4096, batch=1024, pins={"expert": 1, "tensor": 1, "context": 2},
+                    verify=False)
     assert (fallback.expert_path, fallback.capacity_factor) == ("capacity", 1.25)
+    biased = plan(load_model("gpt-oss-120b"), parse("v5p-64"), seq=4096, batch=128, pins={"expert": 1, "tensor": 2},
+                  verify=False)
+    assert biased.expert_path == "capacity"
 
 
 def test_the_dropless_memory_model_counts_the_dispatch_buffers():

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal, NamedTuple
+from typing import Iterable, Literal, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -262,6 +262,21 @@ def _batch_split(batch: int):
     return mesh, inner, names, PartitionSpec(axes)
 
 
+def megablox_hidden_axes(mesh_shape: Mapping[str, int], batch_axes: Iterable[str],
+                         hidden_axes: Sequence[str], down_bias: bool) -> tuple[str, ...] | None:
+    """Whether a dropless layer with unsplit experts runs megablox in a region manual over every
+    mesh axis, and how: () where the batch's axes are the mesh's only axes of more than one
+    device; the axes splitting the experts' hidden units where those are the only others and
+    `down` has no bias (each device's partial output is summed, and a bias would be summed with
+    it); None where neither holds. The one rule for the lowering (moe_layer), the memory model
+    (compiler/plan/activations.py) and the search (compiler/plan/candidates.py)."""
+    others = {axis for axis, size in mesh_shape.items() if size > 1 and axis not in set(batch_axes)}
+    if not others:
+        return ()
+    hidden = tuple(axis for axis in hidden_axes if mesh_shape.get(axis, 1) > 1)
+    return hidden if others == set(hidden) and not down_bias else None
+
+
 def moe_layer(moe: MoE, params: dict, x: jax.Array, config: MoEConfig = MoEConfig()) -> tuple[jax.Array, MoEStats]:
     """x [batch, seq, embed] -> ([batch, seq, embed], this layer's MoEStats).
 
@@ -295,11 +310,11 @@ def moe_layer(moe: MoE, params: dict, x: jax.Array, config: MoEConfig = MoEConfi
             # slice of every expert and the partial outputs are summed, as MaxText's dropless
             # path does. Otherwise the rows go through ragged_dot (on TPU a masked matmul over
             # every expert: plans take this path only on such meshes, compiler/plan/candidates.py).
-            others = {a for a in mesh.axis_names if a not in names and mesh.shape[a] > 1}
             hidden_names = _names_of(partition_spec(("mlp",), active_rules()[1], mesh)[0])
-            if not others or (others == set(hidden_names) and "bias" not in params["experts"]["down"]):
-                manual, inner_rules = frozenset(mesh.axis_names), {}
-                hidden = hidden_names if others else ()
+            region = megablox_hidden_axes(dict(mesh.shape), names, hidden_names,
+                                          "bias" in params["experts"]["down"])
+            if region is not None:
+                manual, inner_rules, hidden = frozenset(mesh.axis_names), {}, region
             else:
                 choices = dataclasses.replace(choices, grouped_matmul="ragged_dot")
 

@@ -208,17 +208,23 @@ def dispatch_bytes(block_name: str, choice: Choice) -> int:
 NOT_HELD_IN_MEGABLOX_REGION = frozenset({"grouped_rows", "expert_mlp_activation"})
 
 
-def megablox_region(block_name: str, choice: Choice) -> bool:
-    """Whether a layer's dropless experts run megablox in a region manual over every mesh axis
-    (compiler/lower/moe.py): on TPU, the experts unsplit, and the mesh's other axes all split the
-    batch or, where the experts have no bias on down, the experts' hidden units."""
+def megablox_layout(block_name: str, choice: Choice) -> bool:
+    """Whether the choice's layout lets a layer's routed experts, unsplit, run megablox in a
+    region manual over every mesh axis (megablox_hidden_axes, the lowering's rule)."""
+    from mxc.compiler.lower.moe import megablox_hidden_axes
+
     ffn = choice.spec.blocks[block_name].mlp
-    if (choice.topology.platform != "tpu" or choice.expert_path != "dropless" or choice.split("experts") > 1
-            or kind_of(ffn).routing(ffn) is None):
+    if choice.split("experts") > 1 or kind_of(ffn).routing(ffn) is None:
         return False
-    batch_axes = set(choice.rules.get("batch", ()))
-    others = {axis for axis, size in choice.mesh.items() if size > 1 and axis not in batch_axes}
-    return not others or (others <= set(choice.rules.get("mlp", ())) and not getattr(ffn.expert, "bias", False))
+    return megablox_hidden_axes(choice.mesh, choice.rules.get("batch", ()), choice.rules.get("mlp", ()),
+                                bool(getattr(ffn.expert, "bias", False))) is not None
+
+
+def megablox_region(block_name: str, choice: Choice) -> bool:
+    """Whether a layer's dropless experts run megablox in that region: on TPU, where the layout
+    allows it (megablox_layout)."""
+    return (choice.topology.platform == "tpu" and choice.expert_path == "dropless"
+            and megablox_layout(block_name, choice))
 
 
 def dispatch_held_bytes(block_name: str, choice: Choice) -> int:

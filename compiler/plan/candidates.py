@@ -10,6 +10,7 @@ from typing import Iterator, Mapping, NamedTuple
 from mxc.compiler.commands.units import size_bytes
 from mxc.compiler.kinds import kind_of
 from mxc.compiler.plan import cost, memory
+from mxc.compiler.plan.activations import megablox_layout
 from mxc.compiler.plan.choice import Choice
 from mxc.compiler.plan.layout import Parameters
 from mxc.compiler.plan.plan import MESH_AXES, Memory, StepTime
@@ -215,11 +216,10 @@ def expert_settings(choice: Choice) -> list[tuple[str | None, float | None]]:
     # Not with pipeline stages: the dispatch's shard_map inside the stages' vmap is not tested.
     expert_parallel = choice.split("experts") > 1 and choice.mesh.get("stage", 1) == 1
     # Unsplit experts: each batch shard sorts its own tokens for the grouped matmul, which on TPU
-    # (megablox, a Pallas kernel) needs a region manual over every mesh axis: only meshes whose
-    # devices all split the batch (mxc.compiler.lower.moe.moe_layer).
-    batch_axes = set(choice.rules.get("batch", ()))
-    per_batch_shard = choice.split("experts") == 1 and all(
-        size == 1 for axis, size in choice.mesh.items() if axis not in batch_axes)
+    # (megablox, a Pallas kernel) needs a region manual over every mesh axis: only layouts whose
+    # other axes all split the batch or the experts' hidden units (activations.megablox_layout).
+    per_batch_shard = all(megablox_layout(name, choice) for name, block in spec.blocks.items()
+                          if kind_of(block.mlp).routing(block.mlp) is not None)
     dropless = expert_parallel or per_batch_shard
     return ([("dropless", None)] if dropless else []) + [("capacity", CAPACITY_FACTOR)]
 
