@@ -60,9 +60,9 @@ def test_gathered_experts_count_once_and_one_more_in_flight():
     ((dense, experts, largest),) = memory.gathered_parts(choice).values()
     # gate, up and down of 64 experts of 1024 x 1024, gathered whole in bfloat16: 128 MiB each
     assert (experts, largest) == (3 * 128 * MIB, 128 * MIB)
-    assert memory.layer_gathered_bytes(choice) == 3 * dense + experts + largest
+    assert memory.backward_gathered_bytes(choice) == 3 * dense + experts + largest
     # the old count: three copies of the whole layer
-    assert memory.layer_gathered_bytes(choice) < memory.GATHERED_LAYERS * (dense + experts)
+    assert memory.backward_gathered_bytes(choice) < memory.GATHERED_LAYERS * (dense + experts)
 
 
 def test_the_dispatch_holds_three_row_buffers_and_three_hidden():
@@ -82,7 +82,7 @@ def test_outside_megablox_region_the_old_counts_stay():
     assert not activations.megablox_region(name, choice)
     assert activations.dispatch_held_bytes(name, choice) == 0
     ((dense, experts, _),) = memory.gathered_parts(choice).values()
-    assert memory.layer_gathered_bytes(choice) == memory.GATHERED_LAYERS * (dense + experts)
+    assert memory.backward_gathered_bytes(choice) == memory.GATHERED_LAYERS * (dense + experts)
 
 
 @pytest.mark.slow

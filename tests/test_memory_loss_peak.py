@@ -46,7 +46,7 @@ def test_without_the_loops_the_loss_holds_the_logits_once_and_the_heads_gradient
 def test_with_a_tensor_axis_the_loss_keeps_the_loops_rule():
     choice = _choice({"fsdp": 2, "tensor": 4}, 16)
     assert collective_matmul_loops("tpu", choice.mesh)
-    logits, gathered = memory.loss_logits_bytes(choice), memory.gathered_layer_bytes(choice)
+    logits, gathered = memory.loss_logits_bytes(choice), memory.one_gathered_layer_bytes(choice)
     assert memory.loss_peak_bytes(choice) == 1.5 * logits + 2 * gathered
 
 

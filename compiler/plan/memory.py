@@ -225,22 +225,23 @@ def loss_peak_bytes(choice: Choice) -> float:
     logits = loss_logits_bytes(choice)
     if collective_matmul_loops(choice.topology.platform, choice.mesh):
         chunked = head_gradient_bytes(choice) if choice.loss_chunks > 1 else 0
-        return LOGITS_BUFFERS_WITH_LOOPS * logits + GATHERED_AT_LOSS * gathered_layer_bytes(choice) + chunked
+        return LOGITS_BUFFERS_WITH_LOOPS * logits + GATHERED_AT_LOSS * one_gathered_layer_bytes(choice) + chunked
     return LOGITS_BUFFERS * logits + HEAD_GRADIENT_BUFFERS * head_gradient_bytes(choice)
 
 
-def gathered_layer_bytes(choice: Choice) -> int:
-    """The largest layer's weights in the compute dtype, gathered over the axes that only split
-    them for memory (tensor and expert shards stay split)."""
-    return choice.memo("gathered_layer_bytes", lambda: _gathered_layer_bytes(choice))
+def one_gathered_layer_bytes(choice: Choice) -> int:
+    """One copy of the largest layer's weights in the compute dtype, gathered over the axes that
+    only split them for memory (tensor and expert shards stay split); backward_gathered_bytes
+    counts the copies a layer's backward holds."""
+    return choice.memo("one_gathered_layer_bytes", lambda: _one_gathered_layer_bytes(choice))
 
 
-def _gathered_layer_bytes(choice: Choice) -> int:
+def _one_gathered_layer_bytes(choice: Choice) -> int:
     return max((sum(parts[:2]) for parts in gathered_parts(choice).values()), default=0)
 
 
 def gathered_parts(choice: Choice) -> dict[tuple[str, str], tuple[int, int, int]]:
-    """Each layer kind's weights gathered as gathered_layer_bytes counts them, by (kind, position
+    """Each layer kind's weights gathered as one_gathered_layer_bytes counts them, by (kind, position
     in its segment): (the weights but the routed experts', the routed experts', the largest of
     the routed experts' tensors)."""
     return choice.memo("gathered_parts", lambda: _gathered_parts(choice))
@@ -269,17 +270,17 @@ def _block_names(choice: Choice) -> dict[tuple[str, str], str]:
             for p, name in enumerate(segment.period)}
 
 
-def layer_gathered_bytes(choice: Choice) -> int:
+def backward_gathered_bytes(choice: Choice) -> int:
     """The weights gathered whole at a layer's backward, the largest layer's: GATHERED_LAYERS
     copies (the one in use, the next one prefetched, its gradient before the reduce-scatter), but
     routed experts gathered inside megablox's region once, with one of them in flight to its
     reduce-scatter (EXPERT_GRADIENTS_IN_FLIGHT)."""
     # megablox_region reads the expert path (in the shapes' key) and the platform
-    return choice.memo(f"layer_gathered_bytes/{choice.topology.platform}", lambda: _layer_gathered_bytes(choice),
+    return choice.memo(f"backward_gathered_bytes/{choice.topology.platform}", lambda: _backward_gathered_bytes(choice),
                        shapes=True)
 
 
-def _layer_gathered_bytes(choice: Choice) -> int:
+def _backward_gathered_bytes(choice: Choice) -> int:
     block_of = _block_names(choice)
     best = 0
     for key, (dense, experts, largest) in gathered_parts(choice).items():
@@ -340,9 +341,9 @@ def temporaries_parts(choice: Choice, host: float) -> tuple[float, float, float]
                   for name in kinds)
     # One of a vision tower's layers' backward is another candidate for the largest working set.
     layer_working = max(layer_working, vision_bytes(choice)[1])
-    gathered = gathered_layer_bytes(choice)
+    gathered = one_gathered_layer_bytes(choice)
     loss_peak = loss_peak_bytes(choice)
-    layer_peak = layer_working + layer_gathered_bytes(choice) + whole_residual_bytes(choice)
+    layer_peak = layer_working + backward_gathered_bytes(choice) + whole_residual_bytes(choice)
     held_logits = 0
     if spec.embedding.tied:
         layer_peak += TIED_HEAD_LOGITS * loss_logits_bytes(choice)
