@@ -12,18 +12,17 @@ from mxc.compiler.plan.calibration import FITTED, calibration_rows, leave_one_ou
 # Each row's (in-sample, left-out) relative error of the estimated MFU, as docs/plans.md shows them;
 # the published MFU on the estimates' FLOP count (calibration.published_mfu).
 LEAVE_ONE_OUT = {
-    "Llama 3.1 8B, v6e-256": (0.085, 0.202),
-    "Llama 3.1 70B, v6e-256": (0.098, 0.15),
-    "Llama 3.1 405B, 2 x v6e-256": (0.002, 0.002),
-    "Mixtral 8x7B, v6e-256": (-0.119, -0.17),
-    "Llama 2 70B, v5p-512": (-0.038, -0.115),
+    "Llama 3.1 8B, v6e-256": (0.098, 0.139),
+    "Llama 3.1 70B, v6e-256": (0.056, 0.118),
+    "Llama 3.1 405B, 2 x v6e-256": (0.003, 0.005),
+    "Mixtral 8x7B, v6e-256": (-0.12, -0.15),
+    "Llama 2 70B, v5p-512": (-0.031, -0.08),
 }
 # What the issue asks of every row, in sample and left out.
 TARGET = 0.15
 # Rows known to miss the target left out, with their error (docs/plans.md, "Calibration"): with
-# the other rows' constants the 8B row reads 48.6% (published 40.4% on the estimates' count),
-# Llama 3.1 70B 54.0% (47.0%, +15.03%) and Mixtral 28.1% (33.9%).
-OUTSIDE_LEFT_OUT = {"Llama 3.1 8B, v6e-256": 0.202, "Llama 3.1 70B, v6e-256": 0.151, "Mixtral 8x7B, v6e-256": 0.17}
+# the other rows' constants Mixtral reads 28.8% (published 33.9% on the estimates' count), -15.007%.
+OUTSIDE_LEFT_OUT = {"Mixtral 8x7B, v6e-256": 0.1501}
 
 
 @functools.lru_cache(maxsize=None)

@@ -49,6 +49,20 @@ def host_bandwidth(chip) -> float:
     return HOST_BANDWIDTH_BY_CHIP.get(chip.name, HOST_BANDWIDTH)
 
 
+def attention_mxu_factor(att, chip) -> float:
+    """How much longer a flash attention kernel's matmuls keep the MXUs busy than their FLOPs
+    say: a head dimension that is not a multiple of the MXU's side is padded to one (head_dim 128
+    fills half of v6e's 256-wide array; MLA's 192 three quarters of two 128-wide passes). Of the
+    kernel's seven passes (forward QK^T and PV; backward QK^T again, dP = dO V^T, dV, dQ, dK)
+    four run over the query/key head dimension and three over the value head dimension, each
+    in proportion to it. 1 where the chip has no systolic array."""
+    if not chip.mxu_width:
+        return 1.0
+    qk, v = att.head_dim, kind_of(att).value_head_dim(att)
+    padded = lambda d: -(-d // chip.mxu_width) * chip.mxu_width  # noqa: E731
+    return (4 * padded(qk) + 3 * padded(v)) / (4 * qk + 3 * v)
+
+
 def _matmul_flops_per_token(block, d_model: int) -> dict[str, float]:
     """Forward FLOPs per token of one layer's matmuls, by the groups remat policies recompute."""
     att, ffn = block.attention, block.mlp
@@ -83,6 +97,9 @@ def executed_flops_per_token(choice: Choice) -> tuple[float, float]:
         if not choice.attention.startswith("splash"):
             # Without a flash kernel the masked half of the scores is computed too.
             redo += count * core * (1 + ("core" in recomputed) / 3)
+        else:  # the kernel's passes as long as the MXUs take to run them (attention_mxu_factor)
+            padding = attention_mxu_factor(block.attention, choice.topology.chip) - 1
+            redo += count * core * (1 + ("core" in recomputed) / 3) * padding
         if kind_of(block.mlp).routing(block.mlp) is not None and choice.expert_path == "capacity":
             redo += count * _capacity_overhead_per_token(block.mlp, spec.d_model, choice)
     if choice.loss_chunks > 1:  # the backward recomputes each piece's logits: the head's forward again

@@ -85,7 +85,7 @@ def grouped_rows(plan: Plan) -> float:
 def estimate_from_text(spec: ModelSpec, plan: Plan, topology: Topology, text: str, mesh):
     """(step time, cost terms) of a compiled train step's HLO text, its devices laid out as `mesh`."""
     from mxc.compiler.analysis import attention_flops_per_token, summarize
-    from mxc.compiler.plan.cost import device_places, program_step_time, program_terms
+    from mxc.compiler.plan.cost import attention_mxu_factor, device_places, program_step_time, program_terms
     from mxc.compiler.plan.hlo_cost import program_cost
     from mxc.compiler.plan.stages import reported
 
@@ -94,10 +94,12 @@ def estimate_from_text(spec: ModelSpec, plan: Plan, topology: Topology, text: st
     tokens = plan.batch * plan.seq / len(devices)
     model_flops = summarize(spec, plan.seq).train_flops_per_token * tokens
     # A Pallas attention kernel is opaque to the HLO: its FLOPs as the kernel runs them, the
-    # backward recomputing the scores (7 matmul passes where the model count has 6).
+    # backward recomputing the scores (7 matmul passes where the model count has 6), each as
+    # long as the MXUs take with the head dimension padded to their width.
     hidden = 0.0
     if plan.attention.startswith("splash"):
-        per_token = sum(attention_flops_per_token(spec.blocks[kind].attention, plan.seq) for kind in spec.layer_kinds)
+        per_token = sum(attention_flops_per_token(att, plan.seq) * attention_mxu_factor(att, topology.chip)
+                        for att in (spec.blocks[kind].attention for kind in spec.layer_kinds))
         hidden = per_token * tokens * 7 / 6
     terms = program_terms(program, device_places(devices), topology.chip, model_flops, tokens,
                           extra_flops=hidden, microbatches=plan.microbatches)
