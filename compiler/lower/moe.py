@@ -270,7 +270,8 @@ def megablox_hidden_axes(mesh_shape: Mapping[str, int], batch_axes: Iterable[str
     `down` has no bias (each device's partial output is summed, and a bias would be summed with
     it); None where neither holds. The one rule for the lowering (moe_layer), the memory model
     (compiler/plan/activations.py) and the search (compiler/plan/candidates.py)."""
-    others = {axis for axis, size in mesh_shape.items() if size > 1 and axis not in set(batch_axes)}
+    batch = set(batch_axes)
+    others = {axis for axis, size in mesh_shape.items() if size > 1 and axis not in batch}
     if not others:
         return ()
     hidden = tuple(axis for axis in hidden_axes if mesh_shape.get(axis, 1) > 1)

@@ -94,12 +94,12 @@ def executed_flops_per_token(choice: Choice) -> tuple[float, float]:
         core = attention_flops_per_token(block.attention, choice.seq)
         if "core" in recomputed:
             redo += count * core / 3
+        passes = core * (1 + ("core" in recomputed) / 3)
         if not choice.attention.startswith("splash"):
             # Without a flash kernel the masked half of the scores is computed too.
-            redo += count * core * (1 + ("core" in recomputed) / 3)
+            redo += count * passes
         else:  # the kernel's passes as long as the MXUs take to run them (attention_mxu_factor)
-            padding = attention_mxu_factor(block.attention, choice.topology.chip) - 1
-            redo += count * core * (1 + ("core" in recomputed) / 3) * padding
+            redo += count * passes * (attention_mxu_factor(block.attention, choice.topology.chip) - 1)
         if kind_of(block.mlp).routing(block.mlp) is not None and choice.expert_path == "capacity":
             redo += count * _capacity_overhead_per_token(block.mlp, spec.d_model, choice)
     if choice.loss_chunks > 1:  # the backward recomputes each piece's logits: the head's forward again
