@@ -269,3 +269,43 @@ def test_grouped_matmul_kernels_count_their_rows_flops():
     slice_bytes = (512 + 256) * 128 * 2
     counter = 3 * 4  # i + 1
     assert half.hbm_bytes == 4 * (2 * kernel_bytes(0.5) + ragged + copies + slice_bytes + counter)
+
+
+# megablox's kernels as libtpu compiles them (16 local groups of [1024, 1024], 4096 rows in row
+# tiles of 512): the scalar-prefetch operands size the grid (group offsets s32[17], group and row
+# tile ids s32[8 + 16 - 1]), and each call carries the kernel's own cost estimate.
+TILED_GROUPED_MATMULS = """HloModule tiled
+
+ENTRY %main (rows: bf16[4096,1024], w: bf16[16,1024,1024], g: bf16[4096,1024]) -> (bf16[4096,1024], bf16[16,1024,1024]) {
+  %rows = bf16[4096,1024]{1,0} parameter(0)
+  %w = bf16[16,1024,1024]{2,1,0} parameter(1)
+  %g = bf16[4096,1024]{1,0} parameter(2)
+  %tiles = s32[] constant(23)
+  %offsets = s32[17]{0} constant({...})
+  %group_ids = s32[23]{0} constant({...})
+  %tile_ids = s32[23]{0} constant({...})
+  %first = s32[1]{0} constant({0})
+  %gmm = bf16[4096,1024]{1,0} custom-call(%tiles, %offsets, %group_ids, %tile_ids, %first, %rows, %w), custom_call_target="tpu_custom_call", metadata={op_name="jit(flat)/jvp()/shard_map/jit(gmm)/pallas_call"}, backend_config={"custom_call_config":{"cost_estimate":{"bytes_accessed":"65011712","flops":"8589934592"}}}
+  %tgmm = bf16[16,1024,1024]{2,1,0} custom-call(%tiles, %offsets, %group_ids, %tile_ids, %first, %rows, %g), custom_call_target="tpu_custom_call", metadata={op_name="jit(flat)/transpose(jvp())/shard_map/jit(tgmm)/pallas_call"}, backend_config={"custom_call_config":{"cost_estimate":{"bytes_accessed":"50331648","flops":"8589934592"}}}
+  ROOT %out = (bf16[4096,1024]{1,0}, bf16[16,1024,1024]{2,1,0}) tuple(%gmm, %tgmm)
+}
+"""
+
+
+@pytest.mark.parametrize("rows", [1.0, 0.5])
+def test_grouped_matmul_kernels_pay_for_their_tiles(rows):
+    """Each group after the first starts inside a row tile, which the grid visits again (a whole
+    tile's FLOPs: 15 more visits of 512 rows on 8 tiles' worth), and gmm fetches its group's
+    weights for every visit: the kernel's estimate (lhs once per n tile, weights per tile, out
+    once) taken down to the tiles visited."""
+    computations, entry = hlo_cost.parse_module(TILED_GROUPED_MATMULS)
+    main = computations[entry]
+    gmm, tgmm = (next(i for i in main.instructions if i.name == name) for name in ("gmm", "tgmm"))
+    visits = rows * 8 + 15
+    weights, row_tile, gradient = 1024 * 1024 * 2, 512 * 1024 * 2, 16 * 1024 * 1024 * 2
+    tile_flops = 2 * 512 * 1024 * 1024
+    # gmm: 65011712 = 4096 x 1024 x 2 (rows) + 23 x weights + 4096 x 1024 x 2 (out)
+    assert hlo_cost.grouped_matmul_cost(gmm, main, rows) == (visits * tile_flops, visits * (2 * row_tile + weights))
+    # tgmm: 50331648 = rows + gradients read once each + every group's weight gradient written once
+    assert hlo_cost.grouped_matmul_cost(tgmm, main, rows) == (visits * tile_flops,
+                                                               visits * 2 * row_tile + gradient)

@@ -16,13 +16,39 @@ import jax
 import jax.numpy as jnp
 
 
-ROW_TILE = 128  # rows per kernel tile; the sorted rows are padded to a multiple of it
 LANE = 128  # TPU lane width: a tile's minor dimension is a multiple of it, or the whole dimension
+# The kernel's tiles at most, and its row tile where the chip is not known: MaxText's defaults
+# (tile_batch_seq 512, tile_embed_dim and tile_mlp_dim 1024), which run on TPUs.
+ROW_TILE = 512
+ROW_TILES = (128, 256, 512, 1024)
+WIDTH_TILE = 1024
 
 
-def _tile(size: int, largest: int = 512) -> int:
+def _tile(size: int, largest: int = WIDTH_TILE) -> int:
     """The largest multiple of LANE (at most `largest`) that divides size (a multiple of LANE)."""
     return next(tile for tile in range(largest, LANE - 1, -LANE) if size % tile == 0)
+
+
+def visited_tiles(tiles_m: int, groups: int, filled: float = 1.0) -> float:
+    """Row tiles the kernel's grid visits when the first `filled` share of its tiles_m row tiles
+    holds `groups` groups: each tile once, and once more for each group that starts inside a tile
+    (megablox's make_group_metadata). Under routing every group after the first does, but for
+    one in a tile's rows."""
+    return filled * tiles_m + max(0, groups - 1)
+
+
+def row_tile(m: int, groups: int, flops_per_byte: float = 0.0) -> int:
+    """Rows per tile for m rows in `groups` groups, on a chip whose MXUs do `flops_per_byte` FLOPs
+    per byte its HBM delivers (0: not known, ROW_TILE). The grid fetches the group's [k, n]
+    weights again for each row tile it visits, 2·k·n bytes for 2·tm·k·n FLOPs: below
+    flops_per_byte rows a visit waits for the weights, above it a visit's rows are computed
+    whether they hold the group's or not. So the tile that takes the least time for its visits
+    (visited_tiles) at the longer of the two."""
+    rows = _round_up(m, LANE)
+    if not flops_per_byte:
+        return min(ROW_TILE, rows)
+    return min(sorted({min(tile, rows) for tile in ROW_TILES}),
+               key=lambda tile: visited_tiles(-(-m // tile), groups) * max(tile / flops_per_byte, 1.0))
 
 
 def _round_up(size: int, multiple: int) -> int:
@@ -30,7 +56,7 @@ def _round_up(size: int, multiple: int) -> int:
 
 
 def grouped_matmul(rows: jax.Array, kernel: jax.Array, group_sizes: jax.Array, first_group: jax.Array,
-                   interpret: bool, every_row_grouped: bool = False) -> jax.Array:
+                   interpret: bool, every_row_grouped: bool = False, flops_per_byte: float = 0.0) -> jax.Array:
     """rows [m, k] sorted by group, kernel [local groups, k, n] holding groups first_group, ...;
     group_sizes [all groups]. Rows of other groups come back as zeros. `every_row_grouped`: the
     caller's promise that the m rows are exactly the groups' (sum(group_sizes) == m) and the
@@ -56,8 +82,9 @@ def grouped_matmul(rows: jax.Array, kernel: jax.Array, group_sizes: jax.Array, f
     # swaps the k and n tiles, so a whole-dimension tile of one width fails against the other
     # (a d_model 64, d_ff 96 model did not compile for v5p-8).
     padded_k, padded_n = _round_up(k, LANE), _round_up(n, LANE)
-    rows = jnp.pad(rows, ((0, _round_up(m, ROW_TILE) - m), (0, padded_k - k)))
+    tm = row_tile(m, kernel.shape[0], flops_per_byte)
+    rows = jnp.pad(rows, ((0, _round_up(m, tm) - m), (0, padded_k - k)))
     kernel = jnp.pad(kernel, ((0, 0), (0, padded_k - k), (0, padded_n - n)))
-    out = ops.gmm(rows, kernel, group_sizes, rows.dtype, (ROW_TILE, _tile(padded_k), _tile(padded_n)),
+    out = ops.gmm(rows, kernel, group_sizes, rows.dtype, (tm, _tile(padded_k), _tile(padded_n)),
                   first_group.astype(jnp.int32), None, False, interpret)[:m, :n]
     return jnp.where(mine, out, 0) if mask else out

@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass
 
 from mxc.compiler.analysis import attention_flops_per_token, summarize
 from mxc.compiler.kinds import kind_of
-from mxc.compiler.plan.activations import RECOMPUTED, layer_bytes, layer_recomputed_bytes, layer_working_bytes
+from mxc.compiler.plan.activations import (RECOMPUTED, layer_bytes, layer_recomputed_bytes, layer_working_bytes,
+                                           megablox_region)
 from mxc.compiler.plan.choice import Choice, layer_counts
 from mxc.compiler.plan.memory import hosted_moment_bytes, logits_bytes, parameter_bytes
 from mxc.compiler.plan.plan import StepTime
@@ -102,6 +103,8 @@ def executed_flops_per_token(choice: Choice) -> tuple[float, float]:
             redo += count * passes * (attention_mxu_factor(block.attention, choice.topology.chip) - 1)
         if kind_of(block.mlp).routing(block.mlp) is not None and choice.expert_path == "capacity":
             redo += count * _capacity_overhead_per_token(block.mlp, spec.d_model, choice)
+        elif _runs_megablox(name, choice):
+            redo += count * _grouped_tile_overhead_per_token(block.mlp, spec.d_model, choice, recomputed)
     if choice.loss_chunks > 1:  # the backward recomputes each piece's logits: the head's forward again
         redo += 2 * spec.d_model * spec.vocab
     return model, model + redo
@@ -118,6 +121,32 @@ def _capacity_overhead_per_token(moe: MoE, d_model: int, choice: Choice) -> floa
     expert = 6 * (inputs + 1) * d_model * moe.expert.hidden * moe.top_k
     dispatch = 6 * 2 * moe.experts * slots * d_model  # two einsums, forward and backward
     return (filled - 1) * expert + dispatch
+
+
+def _runs_megablox(block_name: str, choice: Choice) -> bool:
+    """Whether a layer's routed experts run megablox's grouped matmul: the dropless path on TPU,
+    split over an expert axis (the dispatch's kernel) or unsplit where the layout allows it."""
+    ffn = choice.spec.blocks[block_name].mlp
+    if kind_of(ffn).routing(ffn) is None or choice.expert_path != "dropless" or choice.topology.platform != "tpu":
+        return False
+    return choice.split("experts") > 1 or megablox_region(block_name, choice)
+
+
+def _grouped_tile_overhead_per_token(moe: MoE, d_model: int, choice: Choice, recomputed) -> float:
+    """Training FLOPs per token megablox adds: its grid visits a row tile once more for each local
+    group that starts inside one (megablox.visited_tiles), a whole tile's FLOPs each time, with
+    the row tile the lowering picks for the chip (megablox.row_tile)."""
+    from mxc.compiler.lower.choices import LoweringChoices
+    from mxc.compiler.lower.megablox import row_tile, visited_tiles
+
+    groups = moe.experts // choice.split("experts")
+    filled = choice.local_tokens * moe.top_k  # a device's rows; under balanced routing it receives as many
+    buffer = filled * choice.split("experts")  # the dispatch's receive buffer has room for every sender's
+    tile = row_tile(buffer, groups, LoweringChoices.for_chip(choice.topology.chip).grouped_flops_per_byte)
+    inputs = kind_of(moe.expert).input_projections
+    passes = 6 * (inputs + 1) + (2 * inputs if "mlp_in" in recomputed else 0)
+    expert = passes * d_model * moe.expert.hidden * moe.top_k
+    return expert * (visited_tiles(-(-filled // tile), groups) * tile / filled - 1)
 
 
 def _axis_bandwidth(choice: Choice, axis: str) -> tuple[float, int, int]:

@@ -193,11 +193,16 @@ def instruction_flops(instruction: Instruction, computation: Computation) -> flo
 
 
 def grouped_matmul_cost(instruction: Instruction, computation: Computation, rows: float) -> tuple[float, float] | None:
-    """(FLOPs, HBM bytes) of one of megablox's grouped-matmul kernels, None for any other op. The
-    kernel visits only the row tiles of its groups: of its row buffer (`gmm`: rows [m, k] times
-    the groups' weights into [m, n]; `tgmm`: rows [m, k] and gradients [m, n] into each group's
-    [k, n]) it computes and moves the fraction `rows` that holds assignments; the weights or
-    their gradient move whole. 2·m·k·n FLOPs over those rows."""
+    """(FLOPs, HBM bytes) of one of megablox's grouped-matmul kernels, None for any other op.
+    `gmm`: rows [m, k] times the groups' weights into [m, n]; `tgmm`: rows [m, k] and gradients
+    [m, n] into each local group's [k, n]. Of its row buffer the kernel visits the row tiles that
+    hold assignments (the fraction `rows`), and a tile once more for each group that starts inside
+    it (megablox.visited_tiles), each visit a whole tile of 2·tm·k·n FLOPs. Bytes are the kernel's
+    own estimate (its cost_estimate, for every row tile and boundary of all groups), taken down
+    to the tiles visited: `gmm` fetches the group's [k, n] weights again for each row tile it
+    visits, and both read their row operands once per tile of the other width."""
+    from mxc.compiler.lower.megablox import visited_tiles
+
     kind = _GROUPED_MATMUL.search(instruction.attributes)
     if kind is None or instruction.opcode != "custom-call" or len(instruction.operands) < 2 or not instruction.shapes:
         return None
@@ -206,13 +211,35 @@ def grouped_matmul_cost(instruction: Instruction, computation: Computation, rows
     if not lhs or not rhs or len(lhs[0].dims) != 2:
         return None
     m, k = lhs[0].dims
-    if kind[1] == "gmm":  # [m, k] x [groups, k, n] -> [m, n]
-        n = out.dims[-1]
-        moved = rows * (lhs[0].bytes + out.bytes) + rhs[0].bytes
-    else:  # tgmm: [m, k]^T x [m, n] -> [groups, k, n]
-        n = rhs[0].dims[-1]
-        moved = rows * (lhs[0].bytes + rhs[0].bytes) + out.bytes
-    return 2.0 * rows * m * k * n, moved
+    gmm = kind[1] == "gmm"
+    n = out.dims[-1] if gmm else rhs[0].dims[-1]
+    groups = (rhs[0] if gmm else out).dims[0]  # the groups this device holds
+    weights = rhs[0].bytes / groups if gmm else 0.0  # one group's [k, n], fetched per row tile
+    fixed = 0.0 if gmm else out.bytes  # tgmm writes each group's gradient once
+    metadata = _group_metadata(instruction, computation)
+    estimate = re.search(r'"cost_estimate":\{[^}]*"bytes_accessed":"(\d+)"', instruction.attributes)
+    if metadata is None or estimate is None:  # no grid to read: the rows' work, the weights once
+        moved = rows * (lhs[0].bytes + (out.bytes if gmm else rhs[0].bytes)) + (rhs[0].bytes if gmm else out.bytes)
+        return 2.0 * rows * m * k * n, moved
+    all_groups, grid_tiles = metadata
+    tiles_m = grid_tiles - all_groups + 1
+    visits = visited_tiles(tiles_m, groups, rows)
+    per_row_tile = (float(estimate[1]) - weights * grid_tiles - fixed) / tiles_m
+    return 2.0 * (m / tiles_m) * k * n * visits, per_row_tile * visits + weights * visits + fixed
+
+
+def _group_metadata(instruction: Instruction, computation: Computation) -> tuple[int, int] | None:
+    """(groups in all, row tiles plus boundaries the grid is sized for) from a megablox call's
+    scalar-prefetch operands: the group offsets s32[groups + 1] and the group and row-tile ids,
+    s32[tiles_m + groups - 1] each."""
+    sizes = []
+    for operand in instruction.operands[:-2]:
+        shape = computation.shape_of(operand)
+        if shape and shape[0].dtype == "s32" and len(shape[0].dims) == 1:
+            sizes.append(shape[0].dims[0])
+    if len(sizes) < 3 or sizes[1] != sizes[2]:
+        return None
+    return sizes[0] - 1, sizes[1]
 
 
 def _convolution_flops(instruction: Instruction, computation: Computation) -> float:

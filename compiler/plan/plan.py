@@ -274,9 +274,8 @@ class Plan(_Value):
         from mxc.compiler.lower.choices import LoweringChoices
         from mxc.compiler.topology import CHIPS
 
-        if self.lowering is None:
-            return LoweringChoices.for_platform(CHIPS[self.chip].platform)
-        return LoweringChoices.for_platform(CHIPS[self.chip].platform).with_recorded(self.lowering.model_dump())
+        choices = LoweringChoices.for_chip(CHIPS[self.chip])
+        return choices if self.lowering is None else choices.with_recorded(self.lowering.model_dump())
 
     def rules_tuples(self) -> dict[str, tuple[str, ...]]:
         """The rules in the form mxc.compiler.lower.sharding takes."""

@@ -1,0 +1,57 @@
+"""megablox's row tile by the chip (megablox.row_tile) and what its tiles cost in the formula
+(cost._grouped_tile_overhead_per_token): the grid fetches a group's weights once per row tile it
+visits, and visits a tile once more for each group that starts inside one."""
+
+from __future__ import annotations
+
+import pytest
+
+from mxc.compiler.lower.choices import LoweringChoices
+from mxc.compiler.lower.megablox import ROW_TILE, row_tile, visited_tiles
+from mxc.compiler.topology import CHIPS
+
+V5P = CHIPS["v5p"].peak_bf16_flops / CHIPS["v5p"].hbm_bandwidth  # about 166 FLOPs per byte
+V6E = CHIPS["v6e"].peak_bf16_flops / CHIPS["v6e"].hbm_bandwidth  # about 560
+
+
+def test_row_tiles_reach_the_chips_flops_per_byte_and_no_further():
+    # DeepSeek V3's experts on fsdp 1024: 6 x 8192 tokens x 8 rows over 256 groups a device. 128
+    # rows a tile wait for the weights on v5p (3327 visits); 512 compute 255 boundary tiles that
+    # are mostly other groups' rows; 256 takes the least time.
+    assert row_tile(393216, 256, V5P) == 256
+    # v6e's MXUs do 560 FLOPs per HBM byte: 512 rows, and 1024 only where the boundaries are few.
+    assert row_tile(393216, 256, V6E) == 512
+    assert row_tile(1 << 20, 2, V6E) == 1024
+    # No chip known (a program traced without a plan): MaxText's tile; a tile never outgrows the rows.
+    assert row_tile(393216, 256) == ROW_TILE == 512
+    assert row_tile(300, 4) == 384 and row_tile(300, 4, V5P) == 128
+
+
+def test_a_plan_sizes_megablox_for_its_chip():
+    from mxc.compiler.plan.plan import Plan  # noqa: F401  (the field is set where plans trace)
+
+    assert LoweringChoices.for_chip(CHIPS["v5p"]).grouped_flops_per_byte == pytest.approx(V5P)
+    assert LoweringChoices.for_chip(CHIPS["cpu"]).grouped_flops_per_byte == pytest.approx(
+        CHIPS["cpu"].peak_bf16_flops / CHIPS["cpu"].hbm_bandwidth)
+    assert LoweringChoices.for_platform("tpu").grouped_flops_per_byte == 0.0
+
+
+def test_the_formula_charges_the_boundary_tiles_of_a_dropless_layer(monkeypatch):
+    from test_memory_dropless import _choice
+
+    from mxc.compiler.plan import cost
+    from mxc.compiler.plan.activations import RECOMPUTED
+
+    choice = _choice("dropless")  # v5p-8, fsdp 4: 2 x 2048 tokens x 4 rows a device, 64 experts
+    moe = choice.spec.blocks[choice.spec.layer_kinds[0]].mlp
+    recomputed = RECOMPUTED[choice.remat]
+    passes = 6 * 3 + (4 if "mlp_in" in recomputed else 0)
+    expert = passes * 1024 * 1024 * 4
+    # 16384 rows: 128-row tiles (191 visits at 128 FLOPs per weight byte) beat 256 (127 visits,
+    # each half again as long as its FLOPs at v5p's 166 FLOPs per byte would be).
+    assert row_tile(16384, 64, V5P) == 128 and visited_tiles(128, 64) == 191
+    extra = cost._grouped_tile_overhead_per_token(moe, 1024, choice, recomputed)
+    assert extra == pytest.approx(expert * (191 * 128 / 16384 - 1))
+    executed = cost.executed_flops_per_token(choice)[1]
+    monkeypatch.setattr(cost, "_grouped_tile_overhead_per_token", lambda *args: 0.0)
+    assert executed - cost.executed_flops_per_token(choice)[1] == pytest.approx(2 * extra)  # two MoE layers
