@@ -37,6 +37,21 @@ def visited_tiles(tiles_m: int, groups: int, filled: float = 1.0) -> float:
     return filled * tiles_m + max(0, groups - 1)
 
 
+def width_tile(size: int) -> int:
+    """The kernel's tile of a k or n width (padded to the lane)."""
+    return _tile(_round_up(size, LANE))
+
+
+def visit_flops_per_byte(kind: str, tm: int, k: int, n: int) -> float:
+    """FLOPs per HBM byte of one row-tile visit of bfloat16 operands, the traffic as the kernel's
+    own cost estimate counts it: `gmm` reads the group's [k, n] weights, the tile's rows once per
+    n tile and writes its [tm, n] output; `tgmm` reads the tile's rows once per n tile and its
+    gradients once per k tile (each group's weight gradient is written once, not per visit)."""
+    n_tiles, k_tiles = -(-n // width_tile(n)), -(-k // width_tile(k))
+    moved = (k * n + tm * k * n_tiles + tm * n) if kind == "gmm" else (tm * k * n_tiles + tm * n * k_tiles)
+    return 2 * tm * k * n / (2 * moved)
+
+
 def row_tile(m: int, groups: int, flops_per_byte: float = 0.0) -> int:
     """Rows per tile for m rows in `groups` groups, on a chip whose MXUs do `flops_per_byte` FLOPs
     per byte its HBM delivers (0: not known, ROW_TILE). The grid fetches the group's [k, n]
@@ -85,6 +100,6 @@ def grouped_matmul(rows: jax.Array, kernel: jax.Array, group_sizes: jax.Array, f
     tm = row_tile(m, kernel.shape[0], flops_per_byte)
     rows = jnp.pad(rows, ((0, _round_up(m, tm) - m), (0, padded_k - k)))
     kernel = jnp.pad(kernel, ((0, 0), (0, padded_k - k), (0, padded_n - n)))
-    out = ops.gmm(rows, kernel, group_sizes, rows.dtype, (tm, _tile(padded_k), _tile(padded_n)),
+    out = ops.gmm(rows, kernel, group_sizes, rows.dtype, (tm, width_tile(k), width_tile(n)),
                   first_group.astype(jnp.int32), None, False, interpret)[:m, :n]
     return jnp.where(mine, out, 0) if mask else out

@@ -82,8 +82,9 @@ def model_flops_per_token(spec, seq: int) -> float:
     return _MODEL_FLOPS[key][1]
 
 
-def executed_flops_per_token(choice: Choice) -> tuple[float, float]:
-    """(model FLOPs per token, FLOPs actually executed per token) for training."""
+def executed_flops_per_token(choice: Choice, constants=None) -> tuple[float, float]:
+    """(model FLOPs per token, FLOPs actually executed per token) for training; kernels that wait
+    on HBM (megablox's) count as the FLOPs the MXUs would do meanwhile, at `constants` (FITTED)."""
     spec = choice.spec
     model = model_flops_per_token(spec, choice.seq)
     redo = 0.0
@@ -104,7 +105,7 @@ def executed_flops_per_token(choice: Choice) -> tuple[float, float]:
         if kind_of(block.mlp).routing(block.mlp) is not None and choice.expert_path == "capacity":
             redo += count * _capacity_overhead_per_token(block.mlp, spec.d_model, choice)
         elif _runs_megablox(name, choice):
-            redo += count * _grouped_tile_overhead_per_token(block.mlp, spec.d_model, choice, recomputed)
+            redo += count * _grouped_tile_overhead_per_token(block.mlp, spec.d_model, choice, recomputed, constants)
     if choice.loss_chunks > 1:  # the backward recomputes each piece's logits: the head's forward again
         redo += 2 * spec.d_model * spec.vocab
     return model, model + redo
@@ -132,21 +133,33 @@ def _runs_megablox(block_name: str, choice: Choice) -> bool:
     return choice.split("experts") > 1 or megablox_region(block_name, choice)
 
 
-def _grouped_tile_overhead_per_token(moe: MoE, d_model: int, choice: Choice, recomputed) -> float:
-    """Training FLOPs per token megablox adds: its grid visits a row tile once more for each local
-    group that starts inside one (megablox.visited_tiles), a whole tile's FLOPs each time, with
-    the row tile the lowering picks for the chip (megablox.row_tile)."""
+def _grouped_tile_overhead_per_token(moe: MoE, d_model: int, choice: Choice, recomputed, constants=None) -> float:
+    """Training FLOPs per token megablox adds over its rows' own, in time at the MXUs' rate: its
+    grid visits a row tile once more for each local group that starts inside one
+    (megablox.visited_tiles), a whole tile's FLOPs each time, and a visit that moves more bytes
+    than the HBM delivers in its FLOPs' time takes the bytes' time (megablox.visit_flops_per_byte),
+    with the row tile the lowering picks for the chip (megablox.row_tile)."""
     from mxc.compiler.lower.choices import LoweringChoices
-    from mxc.compiler.lower.megablox import row_tile, visited_tiles
+    from mxc.compiler.lower.megablox import row_tile, visit_flops_per_byte, visited_tiles
+    from mxc.compiler.plan.calibration import FITTED
 
+    c, chip = constants or FITTED, choice.topology.chip
     groups = moe.experts // choice.split("experts")
     filled = choice.local_tokens * moe.top_k  # a device's rows; under balanced routing it receives as many
     buffer = filled * choice.split("experts")  # the dispatch's receive buffer has room for every sender's
-    tile = row_tile(buffer, groups, LoweringChoices.for_chip(choice.topology.chip).grouped_flops_per_byte)
-    inputs = kind_of(moe.expert).input_projections
-    passes = 6 * (inputs + 1) + (2 * inputs if "mlp_in" in recomputed else 0)
-    expert = passes * d_model * moe.expert.hidden * moe.top_k
-    return expert * (visited_tiles(-(-filled // tile), groups) * tile / filled - 1)
+    tile = row_tile(buffer, groups, LoweringChoices.for_chip(chip).grouped_flops_per_byte)
+    waste = visited_tiles(-(-filled // tile), groups) * tile / filled
+    balance = chip.peak_bf16_flops * c.matmul / (chip.hbm_bandwidth * c.hbm)  # FLOPs per byte at the constants
+    d, h, inputs = d_model, moe.expert.hidden, kind_of(moe.expert).input_projections
+    shapes = [(d, h)] * inputs + [(h, d)]  # gate/up, then down: (k, n) of the forward's products
+    stretch = {kind: [max(1.0, balance / visit_flops_per_byte(kind, tile, k, n)) for k, n in shapes]
+               for kind in ("gmm", "tgmm")}
+    # The forward and the rows' gradient (gmm), the input products again where the policy
+    # recomputes them, the weights' gradient (tgmm): 2·d·h FLOPs a row and product each.
+    again = "mlp_in" in recomputed
+    runs = 2 * sum(stretch["gmm"]) + again * sum(stretch["gmm"][:inputs]) + sum(stretch["tgmm"])
+    useful = 3 * (inputs + 1) + again * inputs
+    return 2 * d * h * moe.top_k * (runs * waste - useful)
 
 
 def _axis_bandwidth(choice: Choice, axis: str) -> tuple[float, int, int]:
@@ -294,7 +307,7 @@ def step_time(choice: Choice, constants=None) -> StepTime:
     chip = choice.topology.chip
     chips = choice.topology.chips
     tokens = choice.batch * choice.seq
-    model_per_token, executed_per_token = executed_flops_per_token(choice)
+    model_per_token, executed_per_token = executed_flops_per_token(choice, c)
     compute = executed_per_token * tokens / chips / (chip.peak_bf16_flops * c.matmul)
     memory = hbm_traffic(choice) / (chip.hbm_bandwidth * c.hbm)
     comm = {k: v / c.link for k, v in communication(choice).items()}
