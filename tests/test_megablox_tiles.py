@@ -62,3 +62,17 @@ def test_the_formula_charges_the_tiles_of_a_dropless_layer(monkeypatch):
     executed = cost.executed_flops_per_token(choice)[1]
     monkeypatch.setattr(cost, "_grouped_tile_overhead_per_token", lambda *args: 0.0)
     assert executed - cost.executed_flops_per_token(choice)[1] == pytest.approx(2 * extra)  # two MoE layers
+
+
+def test_width_tiles_are_wide_where_a_little_padding_buys_it():
+    from mxc.compiler.lower.megablox import padded_width, visit_cost, width_tile
+
+    # GPT-OSS's 2880: padded to 3072 with 1024-wide tiles (6.7% more), not to the lane's 2944,
+    # whose only tile is 128 wide (23 = 2944 / 128 is prime), where the rows are read 23 times.
+    assert (width_tile(2880), padded_width(2880)) == (1024, 3072)
+    assert (width_tile(1536), width_tile(7168), width_tile(96)) == (768, 1024, 128)
+    # A gmm visit of 256 rows of DeepSeek's [7168, 2048]: its weights, its rows twice (two n
+    # tiles), its output.
+    assert visit_cost("gmm", 256, 7168, 2048) == (2 * 256 * 7168 * 2048,
+                                                   2 * (7168 * 2048 + 256 * 7168 * 2 + 256 * 2048))
+    assert visit_cost("tgmm", 256, 7168, 2048) == (2 * 256 * 7168 * 2048, 2 * (256 * 7168 * 2 + 256 * 2048 * 7))

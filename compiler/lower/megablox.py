@@ -21,12 +21,19 @@ LANE = 128  # TPU lane width: a tile's minor dimension is a multiple of it, or t
 # (tile_batch_seq 512, tile_embed_dim and tile_mlp_dim 1024), which run on TPUs.
 ROW_TILE = 512
 ROW_TILES = (128, 256, 512, 1024)
-WIDTH_TILE = 1024
+WIDTH_TILES = tuple(range(1024, LANE - 1, -LANE))  # 1024, 896, ..., 128
 
 
-def _tile(size: int, largest: int = WIDTH_TILE) -> int:
-    """The largest multiple of LANE (at most `largest`) that divides size (a multiple of LANE)."""
-    return next(tile for tile in range(largest, LANE - 1, -LANE) if size % tile == 0)
+def width_tile(size: int) -> int:
+    """The kernel's tile of a k or n width: the widest that pads the width by at most an eighth
+    (or to the lane). A narrow tile reads the other operand once per tile: GPT-OSS's 2880, padded
+    to the lane (2944 = 23 x 128), would take 128-wide tiles and read its rows 23 times."""
+    lane = _round_up(size, LANE)
+    return next(tile for tile in WIDTH_TILES if _round_up(size, tile) <= max(lane, size + size // 8))
+
+
+def padded_width(size: int) -> int:
+    return _round_up(size, width_tile(size))
 
 
 def visited_tiles(tiles_m: int, groups: int, filled: float = 1.0) -> float:
@@ -37,19 +44,16 @@ def visited_tiles(tiles_m: int, groups: int, filled: float = 1.0) -> float:
     return filled * tiles_m + max(0, groups - 1)
 
 
-def width_tile(size: int) -> int:
-    """The kernel's tile of a k or n width (padded to the lane)."""
-    return _tile(_round_up(size, LANE))
-
-
-def visit_flops_per_byte(kind: str, tm: int, k: int, n: int) -> float:
-    """FLOPs per HBM byte of one row-tile visit of bfloat16 operands, the traffic as the kernel's
-    own cost estimate counts it: `gmm` reads the group's [k, n] weights, the tile's rows once per
-    n tile and writes its [tm, n] output; `tgmm` reads the tile's rows once per n tile and its
-    gradients once per k tile (each group's weight gradient is written once, not per visit)."""
-    n_tiles, k_tiles = -(-n // width_tile(n)), -(-k // width_tile(k))
-    moved = (k * n + tm * k * n_tiles + tm * n) if kind == "gmm" else (tm * k * n_tiles + tm * n * k_tiles)
-    return 2 * tm * k * n / (2 * moved)
+def visit_cost(kind: str, tm: int, k: int, n: int) -> tuple[float, float]:
+    """(MXU FLOPs, HBM bytes) of one row-tile visit of bfloat16 operands [tm, k] x [k, n], the
+    widths padded to their tiles and the traffic as the kernel's own cost estimate counts it: `gmm`
+    reads the group's [k, n] weights, the tile's rows once per n tile and writes its [tm, n]
+    output; `tgmm` reads the tile's rows once per n tile and its gradients once per k tile (each
+    group's weight gradient is written once, not per visit)."""
+    kp, np_ = padded_width(k), padded_width(n)
+    n_tiles, k_tiles = np_ // width_tile(n), kp // width_tile(k)
+    moved = (kp * np_ + tm * kp * n_tiles + tm * np_) if kind == "gmm" else (tm * kp * n_tiles + tm * np_ * k_tiles)
+    return 2.0 * tm * kp * np_, 2.0 * moved
 
 
 def row_tile(m: int, groups: int, flops_per_byte: float = 0.0) -> int:
@@ -93,10 +97,10 @@ def grouped_matmul(rows: jax.Array, kernel: jax.Array, group_sizes: jax.Array, f
         index = jnp.arange(m)
         mine = ((index >= start) & (index < end))[:, None]
         rows = jnp.where(mine, rows, 0)
-    # Widths that are not a multiple of the lane are padded with zeros: the kernel's backward
-    # swaps the k and n tiles, so a whole-dimension tile of one width fails against the other
-    # (a d_model 64, d_ff 96 model did not compile for v5p-8).
-    padded_k, padded_n = _round_up(k, LANE), _round_up(n, LANE)
+    # Widths are padded with zeros to a multiple of their tile: the kernel's backward swaps the k
+    # and n tiles, so a whole-dimension tile of one width fails against the other (a d_model 64,
+    # d_ff 96 model did not compile for v5p-8).
+    padded_k, padded_n = padded_width(k), padded_width(n)
     tm = row_tile(m, kernel.shape[0], flops_per_byte)
     rows = jnp.pad(rows, ((0, _round_up(m, tm) - m), (0, padded_k - k)))
     kernel = jnp.pad(kernel, ((0, 0), (0, padded_k - k), (0, padded_n - n)))

@@ -136,11 +136,11 @@ def _runs_megablox(block_name: str, choice: Choice) -> bool:
 def _grouped_tile_overhead_per_token(moe: MoE, d_model: int, choice: Choice, recomputed, constants=None) -> float:
     """Training FLOPs per token megablox adds over its rows' own, in time at the MXUs' rate: its
     grid visits a row tile once more for each local group that starts inside one
-    (megablox.visited_tiles), a whole tile's FLOPs each time, and a visit that moves more bytes
-    than the HBM delivers in its FLOPs' time takes the bytes' time (megablox.visit_flops_per_byte),
-    with the row tile the lowering picks for the chip (megablox.row_tile)."""
+    (megablox.visited_tiles), a whole tile's FLOPs (its widths padded) each time, and a visit that
+    moves more bytes than the HBM delivers in its FLOPs' time takes the bytes' time
+    (megablox.visit_cost), with the row tile the lowering picks for the chip (megablox.row_tile)."""
     from mxc.compiler.lower.choices import LoweringChoices
-    from mxc.compiler.lower.megablox import row_tile, visit_flops_per_byte, visited_tiles
+    from mxc.compiler.lower.megablox import row_tile, visit_cost, visited_tiles
     from mxc.compiler.plan.calibration import FITTED
 
     c, chip = constants or FITTED, choice.topology.chip
@@ -152,8 +152,8 @@ def _grouped_tile_overhead_per_token(moe: MoE, d_model: int, choice: Choice, rec
     balance = chip.peak_bf16_flops * c.matmul / (chip.hbm_bandwidth * c.hbm)  # FLOPs per byte at the constants
     d, h, inputs = d_model, moe.expert.hidden, kind_of(moe.expert).input_projections
     shapes = [(d, h)] * inputs + [(h, d)]  # gate/up, then down: (k, n) of the forward's products
-    stretch = {kind: [max(1.0, balance / visit_flops_per_byte(kind, tile, k, n)) for k, n in shapes]
-               for kind in ("gmm", "tgmm")}
+    stretch = {kind: [max(visit_cost(kind, tile, k, n)[0], visit_cost(kind, tile, k, n)[1] * balance)
+                      / (2 * tile * k * n) for k, n in shapes] for kind in ("gmm", "tgmm")}
     # The forward and the rows' gradient (gmm), the input products again where the policy
     # recomputes them, the weights' gradient (tgmm): 2·d·h FLOPs a row and product each.
     again = "mlp_in" in recomputed
