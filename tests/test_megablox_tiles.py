@@ -15,16 +15,15 @@ V6E = CHIPS["v6e"].peak_bf16_flops / CHIPS["v6e"].hbm_bandwidth  # about 560
 
 
 def test_row_tiles_reach_the_chips_flops_per_byte_and_no_further():
-    # DeepSeek V3's experts on fsdp 1024: 6 x 8192 tokens x 8 rows over 256 groups a device. 128
-    # rows a tile wait for the weights on v5p (3327 visits); 512 compute 255 boundary tiles that
-    # are mostly other groups' rows; 256 takes the least time.
-    assert row_tile(393216, 256, V5P) == 256
-    # v6e's MXUs do 560 FLOPs per HBM byte: 512 rows, and 1024 only where the boundaries are few.
-    assert row_tile(393216, 256, V6E) == 512
-    assert row_tile(1 << 20, 2, V6E) == 1024
+    # DeepSeek V3's experts on fsdp 1024: 6 x 8192 tokens x 8 rows over 256 groups a device, times
+    # [7168, 2048]. 128 rows a tile wait for the weights on v5p (3327 visits); 512 compute 255
+    # boundary tiles that are mostly other groups' rows; 256 takes the least time.
+    assert row_tile(393216, 256, 7168, 2048, V5P) == 256
+    # v6e's MXUs do 560 FLOPs per HBM byte: there 1024 rows, the boundaries notwithstanding.
+    assert row_tile(393216, 256, 7168, 2048, V6E) == 1024
     # No chip known (a program traced without a plan): MaxText's tile; a tile never outgrows the rows.
-    assert row_tile(393216, 256) == ROW_TILE == 512
-    assert row_tile(300, 4) == 384 and row_tile(300, 4, V5P) == 128
+    assert row_tile(393216, 256, 7168, 2048) == ROW_TILE == 512
+    assert row_tile(300, 4, 1024, 1024) == 384 and row_tile(300, 4, 1024, 1024, V5P) == 128
 
 
 def test_a_plan_sizes_megablox_for_its_chip():
@@ -46,19 +45,19 @@ def test_the_formula_charges_the_tiles_of_a_dropless_layer(monkeypatch):
     choice = _choice("dropless")  # v5p-8, fsdp 4: 2 x 2048 tokens x 4 rows a device, 64 experts
     moe = choice.spec.blocks[choice.spec.layer_kinds[0]].mlp
     recomputed = RECOMPUTED[choice.remat]
-    # 16384 rows: 128-row tiles (191 visits at 128 FLOPs per weight byte) beat 256 (127 visits,
-    # each half again as long as its FLOPs at v5p's 166 FLOPs per byte would be).
-    assert row_tile(16384, 64, V5P) == 128 and visited_tiles(128, 64) == 191
-    # A gmm visit moves the group's [1024, 1024] weights, its [128, 1024] rows and output: 102.4
+    # 16384 rows: 256-row tiles (127 visits) beat 128 (191 visits, each waiting for its weights
+    # at v5p's 166 FLOPs per byte) and 512 (95 visits, most of their rows other groups').
+    assert row_tile(16384, 64, 1024, 1024, V5P) == 256 and visited_tiles(64, 64) == 127
+    # A gmm visit moves the group's [1024, 1024] weights, its [256, 1024] rows and output: 170.7
     # FLOPs a byte, where v5p at FITTED does 213.6; a tgmm visit reads rows and gradients: 512.
     v5p = CHIPS["v5p"]
     balance = v5p.peak_bf16_flops * FITTED.matmul / (v5p.hbm_bandwidth * FITTED.hbm)
-    gmm = balance / (128 * 1024 * 1024 / (1024 * 1024 + 2 * 128 * 1024))
+    gmm = balance / (256 * 1024 * 1024 / (1024 * 1024 + 2 * 256 * 1024))
     again = "mlp_in" in recomputed
     runs = 2 * 3 * gmm + again * 2 * gmm + 3  # forward, rows' gradient, inputs recomputed, tgmm
     useful = 9 + again * 2
     extra = cost._grouped_tile_overhead_per_token(moe, 1024, choice, recomputed)
-    assert extra == pytest.approx(2 * 1024 * 1024 * 4 * (runs * 191 * 128 / 16384 - useful))
+    assert extra == pytest.approx(2 * 1024 * 1024 * 4 * (runs * 127 * 256 / 16384 - useful))
     executed = cost.executed_flops_per_token(choice)[1]
     monkeypatch.setattr(cost, "_grouped_tile_overhead_per_token", lambda *args: 0.0)
     assert executed - cost.executed_flops_per_token(choice)[1] == pytest.approx(2 * extra)  # two MoE layers

@@ -56,18 +56,21 @@ def visit_cost(kind: str, tm: int, k: int, n: int) -> tuple[float, float]:
     return 2.0 * tm * kp * np_, 2.0 * moved
 
 
-def row_tile(m: int, groups: int, flops_per_byte: float = 0.0) -> int:
-    """Rows per tile for m rows in `groups` groups, on a chip whose MXUs do `flops_per_byte` FLOPs
-    per byte its HBM delivers (0: not known, ROW_TILE). The grid fetches the group's [k, n]
-    weights again for each row tile it visits, 2·k·n bytes for 2·tm·k·n FLOPs: below
-    flops_per_byte rows a visit waits for the weights, above it a visit's rows are computed
-    whether they hold the group's or not. So the tile that takes the least time for its visits
-    (visited_tiles) at the longer of the two."""
+def row_tile(m: int, groups: int, k: int, n: int, flops_per_byte: float = 0.0) -> int:
+    """Rows per tile for m rows [m, k] in `groups` groups times [k, n] weights, on a chip whose
+    MXUs do `flops_per_byte` FLOPs per byte its HBM delivers (0: not known, ROW_TILE). A visit
+    (visit_cost) fetches the group's weights again: below about flops_per_byte rows it waits for
+    them; above, the boundary visits compute more of other groups' rows. So the tile whose visits
+    (visited_tiles) take least time at the longer of their FLOPs and their bytes."""
     rows = _round_up(m, LANE)
     if not flops_per_byte:
         return min(ROW_TILE, rows)
-    return min(sorted({min(tile, rows) for tile in ROW_TILES}),
-               key=lambda tile: visited_tiles(-(-m // tile), groups) * max(tile / flops_per_byte, 1.0))
+
+    def time(tile: int) -> float:
+        flops, moved = visit_cost("gmm", tile, k, n)
+        return visited_tiles(-(-m // tile), groups) * max(flops, moved * flops_per_byte)
+
+    return min(sorted({min(tile, rows) for tile in ROW_TILES}), key=time)
 
 
 def _round_up(size: int, multiple: int) -> int:
@@ -101,7 +104,7 @@ def grouped_matmul(rows: jax.Array, kernel: jax.Array, group_sizes: jax.Array, f
     # and n tiles, so a whole-dimension tile of one width fails against the other (a d_model 64,
     # d_ff 96 model did not compile for v5p-8).
     padded_k, padded_n = padded_width(k), padded_width(n)
-    tm = row_tile(m, kernel.shape[0], flops_per_byte)
+    tm = row_tile(m, kernel.shape[0], k, n, flops_per_byte)
     rows = jnp.pad(rows, ((0, _round_up(m, tm) - m), (0, padded_k - k)))
     kernel = jnp.pad(kernel, ((0, 0), (0, padded_k - k), (0, padded_n - n)))
     out = ops.gmm(rows, kernel, group_sizes, rows.dtype, (tm, width_tile(k), width_tile(n)),

@@ -147,7 +147,8 @@ def _grouped_tile_overhead_per_token(moe: MoE, d_model: int, choice: Choice, rec
     groups = moe.experts // choice.split("experts")
     filled = choice.local_tokens * moe.top_k  # a device's rows; under balanced routing it receives as many
     buffer = filled * choice.split("experts")  # the dispatch's receive buffer has room for every sender's
-    tile = row_tile(buffer, groups, LoweringChoices.for_chip(chip).grouped_flops_per_byte)
+    ratio = LoweringChoices.for_chip(chip).grouped_flops_per_byte
+    tile = row_tile(buffer, groups, d_model, moe.expert.hidden, ratio)
     waste = visited_tiles(-(-filled // tile), groups) * tile / filled
     balance = chip.peak_bf16_flops * c.matmul / (chip.hbm_bandwidth * c.hbm)  # FLOPs per byte at the constants
     d, h, inputs = d_model, moe.expert.hidden, kind_of(moe.expert).input_projections
