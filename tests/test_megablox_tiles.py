@@ -27,8 +27,6 @@ def test_row_tiles_reach_the_chips_flops_per_byte_and_no_further():
 
 
 def test_a_plan_sizes_megablox_for_its_chip():
-    from mxc.compiler.plan.plan import Plan  # noqa: F401  (the field is set where plans trace)
-
     assert LoweringChoices.for_chip(CHIPS["v5p"]).grouped_flops_per_byte == pytest.approx(V5P)
     assert LoweringChoices.for_chip(CHIPS["cpu"]).grouped_flops_per_byte == pytest.approx(
         CHIPS["cpu"].peak_bf16_flops / CHIPS["cpu"].hbm_bandwidth)

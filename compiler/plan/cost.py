@@ -153,8 +153,12 @@ def _grouped_tile_overhead_per_token(moe: MoE, d_model: int, choice: Choice, rec
     balance = chip.peak_bf16_flops * c.matmul / (chip.hbm_bandwidth * c.hbm)  # FLOPs per byte at the constants
     d, h, inputs = d_model, moe.expert.hidden, kind_of(moe.expert).input_projections
     shapes = [(d, h)] * inputs + [(h, d)]  # gate/up, then down: (k, n) of the forward's products
-    stretch = {kind: [max(visit_cost(kind, tile, k, n)[0], visit_cost(kind, tile, k, n)[1] * balance)
-                      / (2 * tile * k * n) for k, n in shapes] for kind in ("gmm", "tgmm")}
+
+    def stretch_of(kind: str, k: int, n: int) -> float:  # a visit's time over its useful FLOPs' time
+        flops, moved = visit_cost(kind, tile, k, n)
+        return max(flops, moved * balance) / (2 * tile * k * n)
+
+    stretch = {kind: [stretch_of(kind, k, n) for k, n in shapes] for kind in ("gmm", "tgmm")}
     # The forward and the rows' gradient (gmm), the input products again where the policy
     # recomputes them, the weights' gradient (tgmm): 2·d·h FLOPs a row and product each.
     again = "mlp_in" in recomputed
