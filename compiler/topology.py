@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from mxc.compiler.commands.units import size_bytes
 
 GB = 1e9
+MIB = 2**20
 GIB = 2**30
 
 
@@ -52,6 +53,10 @@ class Chip:
     # scaling book, "How to Think About TPUs": "TPU v6e (Trillium) has a 256x256 MXU, while all
     # previous generations use 128x128").
     mxu_width: int = 0
+    # VMEM a Pallas kernel may take when it sets no limit of its own (libtpu's scoped VMEM
+    # limit), as libtpu 0.0.52 states it when refusing a larger kernel: "Scoped allocation with
+    # size 18.00M and limit 16.00M" on v5e, v5p ("vmem capacity" on v4), 32.00M on v6e. 0: none.
+    kernel_vmem_bytes: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -68,21 +73,25 @@ CHIPS: dict[str, Chip] = {
     # v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1200 GB/s; 3D torus, six ICI links of 50 GB/s each
     # way; hosts of 4 chips.
     "v4": Chip("v4", "tpu", 275e12, 32 * GIB, 1200 * GB, 600 * GB, 6, 100e9 / 8 / 4, 4, 2, "cores",
-               "v4", 3, "megacore", 4, max_slice_chips=4096, mxu_width=128),
+               "v4", 3, "megacore", 4, max_slice_chips=4096, mxu_width=128,
+               kernel_vmem_bytes=16 * MIB),
     # v5e: 197 TFLOP/s, 16 GiB at 819 GB/s, 400 GB/s bidirectional ICI over 4 ports (2D torus),
     # 8 chips and 2 x 100 Gbps NICs per host. (Binary gigabytes: libtpu offers a program 15.75 GiB,
     # more than 16e9 bytes; see XLA_USABLE_HBM.)
     "v5e": Chip("v5e", "tpu", 197e12, 16 * GIB, 819 * GB, 400 * GB, 4, 2 * 100e9 / 8 / 8, 8, 1, "chips",
-                "v5e", 2, "default", 16, max_slice_chips=256, mxu_width=128),
+                "v5e", 2, "default", 16, max_slice_chips=256, mxu_width=128,
+                kernel_vmem_bytes=16 * MIB),
     # v5p: 459 TFLOP/s, 95 GiB at 2765 GB/s, 1200 GB/s bidirectional ICI (3D torus), DCN 50 Gbps
     # per chip, 4 chips per host.
     "v5p": Chip("v5p", "tpu", 459e12, 95 * GIB, 2765 * GB, 1200 * GB, 6, 50e9 / 8, 4, 2, "cores",
-                "v5p", 3, "megacore", 4, max_slice_chips=6144, mxu_width=128),
+                "v5p", 3, "megacore", 4, max_slice_chips=6144, mxu_width=128,
+                kernel_vmem_bytes=16 * MIB),
     # v6e (Trillium): 918 TFLOP/s, 32 GiB at 1638 GB/s, 800 GB/s bidirectional ICI over 4 ports
     # (2D torus), 8 chips per host; DCN assumed as v5e's per-chip share scaled to 4 x 100 Gbps.
     # (Binary gigabytes: libtpu offers a program 31.24 GiB.)
     "v6e": Chip("v6e", "tpu", 918e12, 32 * GIB, 1638 * GB, 800 * GB, 4, 4 * 100e9 / 8 / 8, 8, 1, "chips",
-                "v6e", 2, "default", 16, max_slice_chips=256, mxu_width=256),
+                "v6e", 2, "default", 16, max_slice_chips=256, mxu_width=256,
+                kernel_vmem_bytes=32 * MIB),
     # H100 SXM: 989 TFLOP/s dense bf16, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s; 8 per host,
     # one 400 Gbps InfiniBand NIC per GPU.
     "h100": Chip("h100", "gpu", 989e12, 80 * GB, 3350 * GB, 900 * GB, 18, 400e9 / 8, 8, 1, "chips",

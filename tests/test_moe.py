@@ -152,13 +152,18 @@ def test_paths_match_the_dense_reference(name, path):
         assert float(jnp.max(jnp.abs(g - r))) <= 1e-5 * max(1.0, float(jnp.max(jnp.abs(r))))
 
 
-def test_megablox_grouped_matmul_matches_ragged_dot():
+@pytest.mark.parametrize("tiles", [None, (128, 128, 384), (256, 384, 128)])
+def test_megablox_grouped_matmul_matches_ragged_dot(tiles, monkeypatch):
     """megablox's kernel (Pallas' interpreter off TPU), the dispatch's grouped matmul on TPU, gives
-    ragged_dot's values and gradients, empty groups and rows past the groups included."""
+    ragged_dot's values and gradients, empty groups and rows past the groups included; also with
+    unequal k and n tiles, which the rows' gradient swaps, and both widths padded to them."""
+    from mxc.compiler.lower import megablox
     from mxc.compiler.lower.megablox import grouped_matmul
 
-    rows = jax.random.normal(jax.random.key(0), (200, 256), jnp.float32)
-    kernel = jax.random.normal(jax.random.key(1), (4, 256, 128), jnp.float32) / 16
+    if tiles is not None:
+        monkeypatch.setattr(megablox, "tiling", lambda *args: tiles)
+    rows = jax.random.normal(jax.random.key(0), (200, 384), jnp.float32)
+    kernel = jax.random.normal(jax.random.key(1), (4, 384, 256), jnp.float32) / 16
     sizes = jnp.array([70, 0, 90, 20], jnp.int32)  # 180 of 200 rows grouped; the rest are zero
 
     def run(matmul):

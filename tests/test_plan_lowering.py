@@ -27,10 +27,11 @@ def test_the_planner_records_the_choices_of_the_target(topology, stacked):
 def test_a_plan_saved_without_choices_gets_those_of_its_chip():
     chosen = plan(load_model("llama3-tiny"), parse("v5p-8"), seq=64, batch=16, verify=False)
     old = Plan.model_validate({**chosen.to_json(), "lowering": None})
-    v5p = CHIPS["v5p"]  # and megablox sizes its row tiles by the chip's FLOPs per HBM byte
+    v5p = CHIPS["v5p"]  # and megablox sizes its tiles by the chip's FLOPs per HBM byte and VMEM
     assert old.lowering_choices() == LoweringChoices(stacked_projections=True, interpret_kernels=False,
                                                      grouped_matmul="megablox", ragged_all_to_all=True,
-                                                     grouped_flops_per_byte=v5p.peak_bf16_flops / v5p.hbm_bandwidth)
+                                                     grouped_flops_per_byte=v5p.peak_bf16_flops / v5p.hbm_bandwidth,
+                                                     grouped_vmem_bytes=16 * 2**20)
 
 
 def _train_step_hlo(spec, chosen, topology) -> str:

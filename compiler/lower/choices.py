@@ -49,9 +49,10 @@ class LoweringChoices:
     # "ragged_dot", and whether its exchange is jax.lax.ragged_all_to_all (XLA:CPU has none).
     grouped_matmul: str = "ragged_dot"
     ragged_all_to_all: bool = False
-    # The chip's peak FLOPs per byte of HBM bandwidth, from which megablox sizes its row tiles
-    # (megablox.row_tile); 0 where the chip is not known.
+    # The chip's peak FLOPs per byte of HBM bandwidth and the VMEM a kernel may take, by which
+    # megablox sizes its tiles (megablox.tiling); 0 where the chip is not known.
     grouped_flops_per_byte: float = 0.0
+    grouped_vmem_bytes: int = 0
     # Serving programs take one array per layer and run the layers one after another, without
     # copying each layer's weights out of a stack at every decode step (layer_layout.py).
     per_layer_serving: bool = False
@@ -85,7 +86,7 @@ class LoweringChoices:
         """The platform's choices, with what the kernels size by the chip (a topology.Chip)."""
         return dataclasses.replace(cls.for_platform(chip.platform),
                                    grouped_flops_per_byte=chip.peak_bf16_flops / chip.hbm_bandwidth
-                                   if chip.hbm_bandwidth else 0.0)
+                                   if chip.hbm_bandwidth else 0.0, grouped_vmem_bytes=chip.kernel_vmem_bytes)
 
     def serves_per_layer(self, quantize: str | None) -> bool:
         """Whether serving programs for a spec quantized as `quantize` take one array per layer:

@@ -25,7 +25,8 @@ def grouped_matmul(rows: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *
     choices = lowering_choices()
     if choices.grouped_matmul == "megablox":
         return megablox.grouped_matmul(rows, kernel, group_sizes, jnp.zeros((), jnp.int32),
-                                       choices.interpret_kernels, every_row_grouped, choices.grouped_flops_per_byte)
+                                       choices.interpret_kernels, every_row_grouped, choices.grouped_flops_per_byte,
+                                       choices.grouped_vmem_bytes)
     return jax.lax.ragged_dot(rows, kernel, group_sizes)
 
 

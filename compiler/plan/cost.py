@@ -138,33 +138,31 @@ def _grouped_tile_overhead_per_token(moe: MoE, d_model: int, choice: Choice, rec
     grid visits a row tile once more for each local group that starts inside one
     (megablox.visited_tiles), a whole tile's FLOPs (its widths padded) each time, and a visit that
     moves more bytes than the HBM delivers in its FLOPs' time takes the bytes' time
-    (megablox.visit_cost), with the row tile the lowering picks for the chip (megablox.row_tile)."""
+    (megablox.kernel_visits), with the tiles the lowering picks for the chip (megablox.tiling)."""
     from mxc.compiler.lower.choices import LoweringChoices
-    from mxc.compiler.lower.megablox import row_tile, visit_cost, visited_tiles
+    from mxc.compiler.lower.megablox import kernel_visits, tiling, visited_tiles
     from mxc.compiler.plan.calibration import FITTED
 
     c, chip = constants or FITTED, choice.topology.chip
     groups = moe.experts // choice.split("experts")
     filled = choice.local_tokens * moe.top_k  # a device's rows; under balanced routing it receives as many
     buffer = filled * choice.split("experts")  # the dispatch's receive buffer has room for every sender's
-    ratio = LoweringChoices.for_chip(chip).grouped_flops_per_byte
-    tile = row_tile(buffer, groups, d_model, moe.expert.hidden, ratio)
-    waste = visited_tiles(-(-filled // tile), groups) * tile / filled
+    lowering = LoweringChoices.for_chip(chip)
     balance = chip.peak_bf16_flops * c.matmul / (chip.hbm_bandwidth * c.hbm)  # FLOPs per byte at the constants
     d, h, inputs = d_model, moe.expert.hidden, kind_of(moe.expert).input_projections
-    shapes = [(d, h)] * inputs + [(h, d)]  # gate/up, then down: (k, n) of the forward's products
+    again = "mlp_in" in recomputed  # the policy recomputes the input products' forward
 
-    def stretch_of(kind: str, k: int, n: int) -> float:  # a visit's time over its useful FLOPs' time
-        flops, moved = visit_cost(kind, tile, k, n)
-        return max(flops, moved * balance) / (2 * tile * k * n)
+    def runs(k: int, n: int, recompute: bool) -> float:  # a product's calls, in its useful FLOPs' time
+        tiles = tiling(buffer, groups, k, n, lowering.grouped_flops_per_byte, lowering.grouped_vmem_bytes)
+        waste = visited_tiles(-(-filled // tiles[0]), groups) * tiles[0] / filled
+        stretch = {call: max(flops, moved * balance) / (2 * tiles[0] * k * n)
+                   for call, (flops, moved) in kernel_visits(tiles, k, n).items()}
+        return waste * (sum(stretch.values()) + recompute * stretch["forward"])
 
-    stretch = {kind: [stretch_of(kind, k, n) for k, n in shapes] for kind in ("gmm", "tgmm")}
-    # The forward and the rows' gradient (gmm), the input products again where the policy
-    # recomputes them, the weights' gradient (tgmm): 2·d·h FLOPs a row and product each.
-    again = "mlp_in" in recomputed
-    runs = 2 * sum(stretch["gmm"]) + again * sum(stretch["gmm"][:inputs]) + sum(stretch["tgmm"])
+    # gate/up, then down: (k, n) of the forward's products; 2·d·h FLOPs a row and call each.
+    total = inputs * runs(d, h, again) + runs(h, d, False)
     useful = 3 * (inputs + 1) + again * inputs
-    return 2 * d * h * moe.top_k * (runs * waste - useful)
+    return 2 * d * h * moe.top_k * (total - useful)
 
 
 def _axis_bandwidth(choice: Choice, axis: str) -> tuple[float, int, int]:
