@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from mxc.compiler.lower.choices import LoweringChoices
-from mxc.compiler.lower.megablox import ROW_TILE, tiling, visited_tiles, vmem_bytes
+from mxc.compiler.lower.megablox import ROW_TILE, Tiling, tiling, visited_tiles, vmem_bytes
 from mxc.compiler.topology import CHIPS, MIB
 
 V5P = CHIPS["v5p"].peak_bf16_flops / CHIPS["v5p"].hbm_bandwidth  # about 166 FLOPs per byte
@@ -16,7 +16,7 @@ V6E = CHIPS["v6e"].peak_bf16_flops / CHIPS["v6e"].hbm_bandwidth  # about 560
 
 
 def row_tile(m: int, groups: int, k: int, n: int, flops_per_byte: float = 0.0, chip: str = "") -> int:
-    return tiling(m, groups, k, n, flops_per_byte, CHIPS[chip].kernel_vmem_bytes if chip else 0)[0]
+    return tiling(m, groups, k, n, flops_per_byte, CHIPS[chip].kernel_vmem_bytes if chip else 0).rows
 
 
 def test_row_tiles_reach_the_chips_flops_per_byte_and_no_further():
@@ -33,21 +33,27 @@ def test_row_tiles_reach_the_chips_flops_per_byte_and_no_further():
 
 def test_tiles_widen_within_the_kernels_vmem():
     # libtpu's own figures when it refused these tiles ("Scoped allocation with size 40.00M and
-    # limit 32.00M", jax's megablox forward, rows' gradient and tgmm): the largest call's.
-    assert [vmem_bytes(tiles) / MIB for tiles in [(1024, 2048, 2048), (2048, 1024, 2048), (512, 512, 4096),
-                                                 (1024, 1024, 4096), (512, 1024, 1536), (256, 1536, 1536)]] == [
-        48, 48, 25, 52, 17, 21]
+    # limit 32.00M", jax's megablox gmm and tgmm).
+    assert [vmem_bytes("gmm", tiles) / MIB for tiles in [(1024, 2048, 2048), (2048, 1024, 2048), (512, 512, 4096),
+                                                        (1024, 1024, 4096)]] == [40, 48, 25, 52]
+    assert [vmem_bytes("tgmm", tiles) / MIB for tiles in [(1024, 2048, 2048), (2048, 1024, 2048), (512, 1024, 1536),
+                                                         (256, 1536, 1536)]] == [48, 40, 17, 21]
     # Mixtral's experts on v6e at fsdp 256 (12 sequences of 4096, two rows each): a 2048-wide n
-    # tile reads the rows 7 times, not 14, within three quarters of v6e's 32 MiB (libtpu read
-    # 5.8 MiB more than vmem_bytes for a tile of 2048 x 1024 x 1024); v5p's 16 MiB keep 1024.
+    # tile reads the rows 7 times, not 14, in the forward and the rows' gradient; the weights'
+    # gradient takes 1024 x 1024 (its own widths: ops.gmm would give it the forward's 512-wide k
+    # tile and read the gradients 8 times), all within three quarters of v6e's 32 MiB (libtpu read
+    # 5.8 MiB more than vmem_bytes for a tile of 2048 x 1024 x 1024).
     for k, n in [(4096, 14336), (14336, 4096)]:
-        assert tiling(98304, 8, k, n, V6E, CHIPS["v6e"].kernel_vmem_bytes) == (1024, 512, 2048)
-        assert tiling(98304, 8, k, n, V5P, CHIPS["v5p"].kernel_vmem_bytes) == (256, 1024, 1024)
+        assert tiling(98304, 8, k, n, V6E, CHIPS["v6e"].kernel_vmem_bytes) == Tiling(
+            (1024, 512, 2048), (1024, 512, 2048), (1024, 1024, 1024), k, n)
     for chip in ("v4", "v5e", "v5p", "v6e"):
         budget = CHIPS[chip].kernel_vmem_bytes * 3 // 4
         for shape in [(98304, 8, 4096, 14336), (393216, 256, 7168, 2048), (65536, 32, 2880, 2880),
                       (131072, 128, 4096, 1536), (300, 4, 64, 96)]:
-            assert vmem_bytes(tiling(*shape, V6E, CHIPS[chip].kernel_vmem_bytes)) <= budget
+            chosen = tiling(*shape, V6E, CHIPS[chip].kernel_vmem_bytes)
+            assert all(vmem_bytes(kind, getattr(chosen, call)) <= budget
+                       for call, kind in [("forward", "gmm"), ("rows_gradient", "gmm"), ("weights_gradient", "tgmm")])
+            assert len({tiles[0] for tiles in chosen.calls().values()}) == 1  # one row tile, as ops.gmm
 
 
 def test_a_plan_sizes_megablox_for_its_chip():
@@ -69,7 +75,9 @@ def test_the_formula_charges_the_tiles_of_a_dropless_layer(monkeypatch):
     recomputed = RECOMPUTED[choice.remat]
     # 16384 rows: 256-row tiles (127 visits) beat 128 (191 visits, each waiting for its weights
     # at v5p's 166 FLOPs per byte) and 512 (95 visits, most of their rows other groups').
-    assert tiling(16384, 64, 1024, 1024, V5P, 16 * MIB) == (256, 1024, 1024) and visited_tiles(64, 64) == 127
+    tiles = (256, 1024, 1024)
+    assert tiling(16384, 64, 1024, 1024, V5P, 16 * MIB) == Tiling(tiles, tiles, tiles, 1024, 1024)
+    assert visited_tiles(64, 64) == 127
     # A gmm visit moves the group's [1024, 1024] weights, its [256, 1024] rows and output: 170.7
     # FLOPs a byte, where v5p at FITTED does 213.6; a tgmm visit reads rows and gradients: 512.
     v5p = CHIPS["v5p"]
@@ -85,16 +93,19 @@ def test_the_formula_charges_the_tiles_of_a_dropless_layer(monkeypatch):
     assert executed - cost.executed_flops_per_token(choice)[1] == pytest.approx(2 * extra)  # two MoE layers
 
 
-def test_width_tiles_are_wide_where_a_little_padding_buys_it():
-    from mxc.compiler.lower.megablox import padded_width, visit_cost, width_tiles
+def test_widths_are_padded_to_every_tile_by_at_most_an_eighth():
+    from mxc.compiler.lower.megablox import visit_cost
 
-    # GPT-OSS's 2880: padded to 3072 with 1024-wide tiles (6.7% more), not to the lane's 2944,
-    # whose only tile is 128 wide (23 = 2944 / 128 is prime), where the rows are read 23 times.
-    assert width_tiles(2880, 2880)[0] == (1024, 1024) and padded_width(2880, (256, 1024, 1024)) == 3072
-    # Both widths are padded to both tiles: for Qwen3's [4096, 1536], 768 with 1024 would pad 4096
-    # to 6144; 768 alone pads it by an eighth.
-    assert width_tiles(4096, 1536)[0] == (768, 768) and (1024, 768) not in width_tiles(4096, 1536)
-    assert width_tiles(64, 96) == [(128, 128)]
+    # GPT-OSS's 2880: padded to 3072 (6.7% more) with tiles up to 1536 wide, not to the lane's
+    # 2944, whose only tile is 128 wide (23 = 2944 / 128 is prime), where the rows are read 23 times.
+    assert (tiling(65536, 32, 2880, 2880, V5P, 16 * MIB).k, tiling(65536, 32, 2880, 2880).k) == (3072, 3072)
+    # No chip known: MaxText's tiles, the widest up to 1024 that pad both widths by an eighth at most.
+    assert tiling(131072, 128, 4096, 1536) == Tiling(*[(512, 768, 768)] * 3, 4608, 1536)
+    assert tiling(300, 4, 64, 96) == Tiling(*[(384, 128, 128)] * 3, 128, 128)
+    for chip in ("v5p", "v6e"):
+        chosen = tiling(65536, 32, 2880, 2880, V6E, CHIPS[chip].kernel_vmem_bytes)
+        assert all(size % tile == 0 for tiles in chosen.calls().values() for tile in tiles[1:]
+                   for size in (chosen.k, chosen.n))  # no call meets a partial tile
     # A gmm visit of 256 rows of DeepSeek's [7168, 2048]: its weights, its rows twice (two n
     # tiles), its output.
     tiles = (256, 1024, 1024)

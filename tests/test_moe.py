@@ -152,16 +152,17 @@ def test_paths_match_the_dense_reference(name, path):
         assert float(jnp.max(jnp.abs(g - r))) <= 1e-5 * max(1.0, float(jnp.max(jnp.abs(r))))
 
 
-@pytest.mark.parametrize("tiles", [None, (128, 128, 384), (256, 384, 128)])
+@pytest.mark.parametrize("tiles", [None, ((128, 128, 384), (128, 384, 128), (128, 128, 128)),
+                                   ((256, 384, 128), (256, 128, 384), (256, 384, 384))])
 def test_megablox_grouped_matmul_matches_ragged_dot(tiles, monkeypatch):
     """megablox's kernel (Pallas' interpreter off TPU), the dispatch's grouped matmul on TPU, gives
     ragged_dot's values and gradients, empty groups and rows past the groups included; also with
-    unequal k and n tiles, which the rows' gradient swaps, and both widths padded to them."""
+    unequal k and n tiles and other tiles for each of its three calls, both widths padded to them."""
     from mxc.compiler.lower import megablox
     from mxc.compiler.lower.megablox import grouped_matmul
 
     if tiles is not None:
-        monkeypatch.setattr(megablox, "tiling", lambda *args: tiles)
+        monkeypatch.setattr(megablox, "tiling", lambda *args: megablox.Tiling(*tiles, 384, 384))
     rows = jax.random.normal(jax.random.key(0), (200, 384), jnp.float32)
     kernel = jax.random.normal(jax.random.key(1), (4, 384, 256), jnp.float32) / 16
     sizes = jnp.array([70, 0, 90, 20], jnp.int32)  # 180 of 200 rows grouped; the rest are zero

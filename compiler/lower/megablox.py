@@ -12,8 +12,8 @@ inside a shard_map manual over every mesh axis.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -28,32 +28,39 @@ ROW_TILES = (128, 256, 512, 1024, 2048)
 WIDTH_TILES = tuple(range(4096, LANE - 1, -LANE))  # 4096, 3968, ..., 128
 
 
-@functools.lru_cache(maxsize=None)  # the search prices many plans of few shapes
-def width_tiles(k: int, n: int, widest: int = WIDTH_TILE) -> list[tuple[int, int]]:
-    """The kernel's (tk, tn) tiles of a [k, n] product up to `widest`, widest first: those whose
-    common multiple pads each width by at most an eighth (or to the lane). Both widths are padded
-    to it, since the rows' gradient tiles n by tk and k by tn, and the kernels then never meet a
-    partial tile. A narrow tile reads the other operand once per tile: GPT-OSS's 2880, padded to
-    the lane (2944 = 23 x 128), would only take 128-wide tiles and read its rows 23 times."""
-    tiles = [tile for tile in WIDTH_TILES if tile <= widest]
-    pairs = [(tk, tn) for tk in tiles for tn in tiles
-             if all(_round_up(size, math.lcm(tk, tn)) <= max(_round_up(size, LANE), size + size // 8) for size in (k, n))]
-    return sorted(pairs, key=lambda pair: (-min(pair), -max(pair), -pair[0]))
+Tiles = tuple[int, int, int]  # (tm, tk, tn): rows, and the call's k and n widths
+CALLS = ("forward", "rows_gradient", "weights_gradient")
 
 
-def padded_width(size: int, tiles: tuple[int, int, int]) -> int:
-    """A width as the kernel takes it at tiles (tm, tk, tn): a multiple of both width tiles."""
-    return _round_up(size, math.lcm(tiles[1], tiles[2]))
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """A [k, n] product's tiles for its three calls, and the widths both are padded to (a multiple
+    of every width tile, so that no call meets a partial tile). The forward is a `gmm` [m, k] x
+    [k, n]; the rows' gradient a `gmm` [m, n] x [n, k] (its tk tiles n, its tn tiles k); the
+    weights' gradient a `tgmm` of rows [m, k] and gradients [m, n] (tk tiles k, tn tiles n)."""
+
+    forward: Tiles
+    rows_gradient: Tiles
+    weights_gradient: Tiles
+    k: int
+    n: int
+
+    def calls(self) -> dict[str, Tiles]:
+        return {call: getattr(self, call) for call in CALLS}
+
+    @property
+    def rows(self) -> int:  # the calls' common row tile
+        return self.forward[0]
 
 
-def vmem_bytes(tiles: tuple[int, int, int]) -> int:
-    """VMEM the kernels take at tiles (tm, tk, tn) with bfloat16 operands: two buffers of each
+def vmem_bytes(kind: str, tiles: Tiles) -> int:
+    """VMEM a call takes at tiles (tm, tk, tn) with bfloat16 operands: two buffers of each
     operand's block and of the output's, and a float32 accumulator of the output's block (`gmm`'s
     [tm, tn], `tgmm`'s [tk, tn]). It is what libtpu states when it refuses one, to the byte, for
     most tiles; for some it states up to a fifth more (v6e, 2048 x 1024 x 1024: 33.83 MiB for 28;
     docs/plans.md, "MoE layers")."""
     tm, tk, tn = tiles
-    return max(4 * (tm * tk + tk * tn + tm * tn) + 4 * out for out in (tm * tn, tk * tn))
+    return 4 * (tm * tk + tk * tn + tm * tn) + 4 * (tm * tn if kind == "gmm" else tk * tn)
 
 
 def visited_tiles(tiles_m: int, groups: int, filled: float = 1.0) -> float:
@@ -64,7 +71,7 @@ def visited_tiles(tiles_m: int, groups: int, filled: float = 1.0) -> float:
     return filled * tiles_m + max(0, groups - 1)
 
 
-def visit_cost(kind: str, tiles: tuple[int, int, int], k: int, n: int) -> tuple[float, float]:
+def visit_cost(kind: str, tiles: Tiles, k: int, n: int) -> tuple[float, float]:
     """(MXU FLOPs, HBM bytes) of one row-tile visit of a call on bfloat16 operands [tm, k] x [k, n]
     (the widths as padded), as the kernel's own cost estimate counts the traffic: `gmm` reads the
     group's [k, n] weights, the tile's rows once per n tile and writes its [tm, n] output; `tgmm`
@@ -76,40 +83,63 @@ def visit_cost(kind: str, tiles: tuple[int, int, int], k: int, n: int) -> tuple[
     return 2.0 * tm * k * n, 2.0 * moved
 
 
-def kernel_visits(tiles: tuple[int, int, int], k: int, n: int) -> dict[str, tuple[float, float]]:
-    """visit_cost of the three calls of a [k, n] product's training step at one tiling (ops.gmm
-    passes its tiles to all three): the forward, the rows' gradient (a gmm on the transposed
-    weights: [tm, n] x [n, k], n tiled by tk, k by tn) and the weights' gradient (tgmm)."""
-    k, n = padded_width(k, tiles), padded_width(n, tiles)
-    return {"forward": visit_cost("gmm", tiles, k, n), "rows_gradient": visit_cost("gmm", tiles, n, k),
-            "weights_gradient": visit_cost("tgmm", tiles, k, n)}
+def call_visit(call: str, tiles: Tiles, k: int, n: int) -> tuple[float, float]:
+    """visit_cost of one of a [k, n] product's calls (widths padded), in the call's own terms."""
+    if call == "rows_gradient":
+        return visit_cost("gmm", tiles, n, k)
+    return visit_cost("gmm" if call == "forward" else "tgmm", tiles, k, n)
 
 
-@functools.lru_cache(maxsize=None)
-def tiling(m: int, groups: int, k: int, n: int, flops_per_byte: float = 0.0, vmem: int = 0) -> tuple[int, int, int]:
-    """The (tm, tk, tn) tiles of m rows [m, k] in `groups` groups times [k, n] weights, on a chip
-    whose MXUs do `flops_per_byte` FLOPs per byte its HBM delivers and whose kernels may take
-    `vmem` bytes of VMEM (0: not known, MaxText's tiles). A visit fetches the group's weights
-    again: below about flops_per_byte rows it waits for them; above, the boundary visits compute
-    more of other groups' rows. A wider n tile reads the rows fewer times, a wider k tile the
-    gradients. So the tiles within the VMEM (less a quarter, for what vmem_bytes leaves out) whose
-    three calls' visits (kernel_visits, visited_tiles) take least time at the longer of their
-    FLOPs and their bytes; of equal times, the fewest grid steps (each has a fixed cost)."""
+def _kind(call: str) -> str:
+    return "tgmm" if call == "weights_gradient" else "gmm"
+
+
+@functools.lru_cache(maxsize=None)  # the search prices many plans of few shapes
+def tiling(m: int, groups: int, k: int, n: int, flops_per_byte: float = 0.0, vmem: int = 0) -> Tiling:
+    """The tiles of m rows [m, k] in `groups` groups times [k, n] weights, on a chip whose MXUs do
+    `flops_per_byte` FLOPs per byte its HBM delivers and whose kernels may take `vmem` bytes of
+    VMEM (0 for either: not known, MaxText's tiles for all three calls). A visit fetches the
+    group's weights again: below about flops_per_byte rows it waits for them; above, the boundary
+    visits compute more of other groups' rows. A wider n tile reads the rows fewer times, a wider
+    k tile the gradients. So, for the common padding of the widths that takes least time (padding
+    each by at most an eighth, or to the lane), each call gets the tiles within the VMEM (less a
+    quarter, for what vmem_bytes leaves out) whose visits take least time at the longer of their
+    FLOPs and their bytes; of equal times, the fewest grid steps (each has a fixed cost). The calls
+    share one row tile, as in jax's ops.gmm: a row tile chosen for the weights' gradient alone
+    would be as narrow as the boundary visits favour, in grid steps whose fixed cost is not
+    measured here."""
     rows = _round_up(m, LANE)
-    if not flops_per_byte:
-        return (min(ROW_TILE, rows), *width_tiles(k, n)[0])
-    widest, most_rows = (max(WIDTH_TILES), max(ROW_TILES)) if vmem else (WIDTH_TILE, WIDTH_TILE)
+    quanta = [q for q in WIDTH_TILES
+              if all(_round_up(size, q) <= max(_round_up(size, LANE), size + size // 8) for size in (k, n))]
+    if not flops_per_byte or not vmem:
+        quantum = max(q for q in quanta if q <= WIDTH_TILE)
+        tiles = (min(ROW_TILE, rows), quantum, quantum)
+        return Tiling(tiles, tiles, tiles, _round_up(k, quantum), _round_up(n, quantum))
+    row_tiles = sorted({min(tile, rows) for tile in ROW_TILES})
 
-    def time(tiles: tuple[int, int, int]) -> tuple[float, float]:
+    def time(call: str, tiles: Tiles, kp: int, np_: int) -> tuple[float, float]:
         tm, tk, tn = tiles
         visits = visited_tiles(-(-m // tm), groups)
-        seconds = visits * sum(max(flops, moved * flops_per_byte) for flops, moved in kernel_visits(tiles, k, n).values())
-        return seconds, visits * -(-k // tk) * -(-n // tn)
+        flops, moved = call_visit(call, tiles, kp, np_)
+        return visits * max(flops, moved * flops_per_byte), visits * -(-kp // tk) * -(-np_ // tn)
 
-    candidates = [(tm, tk, tn) for tm in sorted({min(tile, rows) for tile in ROW_TILES if tile <= most_rows})
-                  for tk, tn in width_tiles(k, n, widest)]
-    fitting = [tiles for tiles in candidates if not vmem or vmem_bytes(tiles) <= vmem - vmem // 4]
-    return min(fitting or [min(candidates, key=vmem_bytes)], key=time)
+    best = None
+    for quantum in quanta:
+        kp, np_ = _round_up(k, quantum), _round_up(n, quantum)
+        widths = [tile for tile in WIDTH_TILES if quantum % tile == 0]
+        for tm in row_tiles:
+            chosen = {}
+            for call in CALLS:
+                fitting = [(tm, tk, tn) for tk in widths for tn in widths
+                           if vmem_bytes(_kind(call), (tm, tk, tn)) <= vmem - vmem // 4]
+                if not fitting:
+                    break
+                chosen[call] = min(fitting, key=lambda tiles: time(call, tiles, kp, np_))
+            else:
+                total = tuple(map(sum, zip(*(time(call, chosen[call], kp, np_) for call in CALLS))))
+                if best is None or total < best[0]:
+                    best = (total, Tiling(chosen["forward"], chosen["rows_gradient"], chosen["weights_gradient"], kp, np_))
+    return best[1]
 
 
 def _round_up(size: int, multiple: int) -> int:
@@ -123,8 +153,6 @@ def grouped_matmul(rows: jax.Array, kernel: jax.Array, group_sizes: jax.Array, f
     group_sizes [all groups]. Rows of other groups come back as zeros. `every_row_grouped`: the
     caller's promise that the m rows are exactly the groups' (sum(group_sizes) == m) and the
     kernel holds every group, so that no row needs masking."""
-    from jax.experimental.pallas.ops.tpu.megablox import ops
-
     m, k = rows.shape
     n = kernel.shape[-1]
     # The kernel leaves rows outside the groups unwritten, in its output and in its rows'
@@ -140,13 +168,38 @@ def grouped_matmul(rows: jax.Array, kernel: jax.Array, group_sizes: jax.Array, f
         index = jnp.arange(m)
         mine = ((index >= start) & (index < end))[:, None]
         rows = jnp.where(mine, rows, 0)
-    # Widths are padded with zeros to a multiple of both tiles: the kernel's backward swaps the k
-    # and n tiles, so a whole-dimension tile of one width fails against the other (a d_model 64,
+    # Widths are padded with zeros to a multiple of every tile: the rows' gradient swaps the k
+    # and n widths, so a whole-dimension tile of one width fails against the other (a d_model 64,
     # d_ff 96 model did not compile for v5p-8).
     tiles = tiling(m, kernel.shape[0], k, n, flops_per_byte, vmem)
-    padded_k, padded_n, tm = padded_width(k, tiles), padded_width(n, tiles), tiles[0]
-    rows = jnp.pad(rows, ((0, _round_up(m, tm) - m), (0, padded_k - k)))
-    kernel = jnp.pad(kernel, ((0, 0), (0, padded_k - k), (0, padded_n - n)))
-    out = ops.gmm(rows, kernel, group_sizes, rows.dtype, tiles,
-                  first_group.astype(jnp.int32), None, False, interpret)[:m, :n]
+    rows = jnp.pad(rows, ((0, _round_up(m, tiles.rows) - m), (0, tiles.k - k)))
+    kernel = jnp.pad(kernel, ((0, 0), (0, tiles.k - k), (0, tiles.n - n)))
+    out = _gmm(rows, kernel, group_sizes, first_group.astype(jnp.int32), tiles, interpret)[:m, :n]
     return jnp.where(mine, out, 0) if mask else out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _gmm(rows, kernel, group_sizes, first_group, tiles: Tiling, interpret: bool):
+    """jax's megablox ops.gmm, with each of the three calls at its own tiles (ops.gmm passes one
+    tiling to all three)."""
+    from jax.experimental.pallas.ops.tpu.megablox.ops import backend
+
+    return backend.gmm(rows, kernel, group_sizes, rows.dtype, tiles.forward, first_group, interpret=interpret)
+
+
+def _gmm_forward(rows, kernel, group_sizes, first_group, tiles, interpret):
+    return _gmm(rows, kernel, group_sizes, first_group, tiles, interpret), (rows, kernel, group_sizes, first_group)
+
+
+def _gmm_backward(tiles, interpret, residuals, grad):
+    from jax.experimental.pallas.ops.tpu.megablox.ops import backend
+
+    rows, kernel, group_sizes, first_group = residuals
+    grad_rows = backend.gmm(grad, kernel, group_sizes, rows.dtype, tiles.rows_gradient, first_group,
+                            transpose_rhs=True, interpret=interpret)
+    grad_kernel = backend.tgmm(rows.swapaxes(0, 1), grad, group_sizes, kernel.dtype, tiles.weights_gradient,
+                               first_group, kernel.shape[0], interpret=interpret)
+    return grad_rows, grad_kernel, None, None
+
+
+_gmm.defvjp(_gmm_forward, _gmm_backward)

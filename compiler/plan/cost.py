@@ -138,9 +138,9 @@ def _grouped_tile_overhead_per_token(moe: MoE, d_model: int, choice: Choice, rec
     grid visits a row tile once more for each local group that starts inside one
     (megablox.visited_tiles), a whole tile's FLOPs (its widths padded) each time, and a visit that
     moves more bytes than the HBM delivers in its FLOPs' time takes the bytes' time
-    (megablox.kernel_visits), with the tiles the lowering picks for the chip (megablox.tiling)."""
+    (megablox.call_visit), with the tiles the lowering picks for the chip (megablox.tiling)."""
     from mxc.compiler.lower.choices import LoweringChoices
-    from mxc.compiler.lower.megablox import kernel_visits, tiling, visited_tiles
+    from mxc.compiler.lower.megablox import call_visit, tiling, visited_tiles
     from mxc.compiler.plan.calibration import FITTED
 
     c, chip = constants or FITTED, choice.topology.chip
@@ -153,11 +153,13 @@ def _grouped_tile_overhead_per_token(moe: MoE, d_model: int, choice: Choice, rec
     again = "mlp_in" in recomputed  # the policy recomputes the input products' forward
 
     def runs(k: int, n: int, recompute: bool) -> float:  # a product's calls, in its useful FLOPs' time
-        tiles = tiling(buffer, groups, k, n, lowering.grouped_flops_per_byte, lowering.grouped_vmem_bytes)
-        waste = visited_tiles(-(-filled // tiles[0]), groups) * tiles[0] / filled
-        stretch = {call: max(flops, moved * balance) / (2 * tiles[0] * k * n)
-                   for call, (flops, moved) in kernel_visits(tiles, k, n).items()}
-        return waste * (sum(stretch.values()) + recompute * stretch["forward"])
+        chosen = tiling(buffer, groups, k, n, lowering.grouped_flops_per_byte, lowering.grouped_vmem_bytes)
+        time = {}
+        for call, tiles in chosen.calls().items():
+            flops, moved = call_visit(call, tiles, chosen.k, chosen.n)
+            waste = visited_tiles(-(-filled // tiles[0]), groups) * tiles[0] / filled
+            time[call] = waste * max(flops, moved * balance) / (2 * tiles[0] * k * n)
+        return sum(time.values()) + recompute * time["forward"]
 
     # gate/up, then down: (k, n) of the forward's products; 2·d·h FLOPs a row and call each.
     total = inputs * runs(d, h, again) + runs(h, d, False)
