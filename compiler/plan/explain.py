@@ -50,7 +50,8 @@ class Verdicts:
             return f"{slower:.1%} slower ({duration(item.time.step_s)} vs {duration(chosen.time.step_s)} a step)"
         if slower < -0.0005 and uses_memory_lever(item) and not uses_memory_lever(chosen):
             return (f"{-slower:.1%} faster, but with a memory lever (host offload or sequence parallelism), "
-                    f"put first only where it is search.LEVER_GAIN times as fast as the best plan without one")
+                    f"put first only where it is search.LEVER_GAIN times as fast as the best plan without one "
+                    f"(of its expert path)")
         if item.choice.microbatches != chosen.choice.microbatches:
             return f"as fast, with {item.choice.microbatches} microbatches instead of {chosen.choice.microbatches}"
         if item.choice.remat.endswith("offloaded") and not chosen.choice.remat.endswith("offloaded"):

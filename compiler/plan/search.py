@@ -83,15 +83,7 @@ def plan(spec: ModelSpec, topology: Topology, *, seq: int, batch: int, pins: Map
     hbm = topology.usable_hbm_bytes
     judged = verify and topology.platform != "gpu"
     margin = hbm if judged else UNVERIFIED_SHARE * hbm
-    # Memory levers (host offload, sequence parallelism) only where no plan without them fits,
-    # or where they are estimated much faster than every plan without: the memory model's error
-    # on them is not yet within what XLA verifies (docs/plans.md), so XLA's verdict decides.
-    fitting = [s for s in scored if fits(s, hbm)]
-    plain = min((s.time.step_s for s in fitting if not uses_memory_lever(s) and s.memory.total <= margin),
-                default=math.inf)
-    # MoE layers drop tokens (the capacity path) only where no dropless plan fits.
-    fitting.sort(key=lambda s: (s.memory.total > margin, on_capacity_path(s),
-                                uses_memory_lever(s) and s.time.step_s * LEVER_GAIN > plain, rank(s)))
+    fitting = compile_order([s for s in scored if fits(s, hbm)], margin)
     say(f"{len(scored)} candidates, {len(fitting)} predicted to fit in {gib(hbm)}")
     if not fitting:
         return _no_fit(spec, params, topology, seq, batch, pins, scored)
@@ -231,6 +223,20 @@ def _merge_pins(spec: ModelSpec, command_line: dict[str, int]) -> dict[str, int]
     if unknown:
         raise PlanError(f"unknown mesh axis {unknown[0]!r} in a pin; the axes are {', '.join(MESH_AXES)}")
     return pins
+
+
+def compile_order(fitting: list[Scored], margin: float) -> list[Scored]:
+    """The candidates predicted to fit, in the order the search compiles them: those within
+    `margin` first; MoE layers drop tokens (the capacity path) only where no dropless plan fits;
+    memory levers (host offload, sequence parallelism) only where no plan without them fits, or
+    where they are estimated faster than every plan without one of their expert path (a capacity
+    plan comes after every dropless one anyway): the memory model's error on them is not yet
+    within what XLA verifies (docs/plans.md), so XLA's verdict decides."""
+    plain = {path: min((s.time.step_s for s in fitting if on_capacity_path(s) == path and not uses_memory_lever(s)
+                        and s.memory.total <= margin), default=math.inf) for path in (False, True)}
+    return sorted(fitting, key=lambda s: (s.memory.total > margin, on_capacity_path(s),
+                                          uses_memory_lever(s) and s.time.step_s * LEVER_GAIN > plain[on_capacity_path(s)],
+                                          rank(s)))
 
 
 def _to_compile(fitting: list[Scored], verdicts: dict, attempts: int,
