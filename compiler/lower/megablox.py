@@ -83,15 +83,14 @@ def visit_cost(kind: str, tiles: Tiles, k: int, n: int) -> tuple[float, float]:
     return 2.0 * tm * k * n, 2.0 * moved
 
 
-def call_visit(call: str, tiles: Tiles, k: int, n: int) -> tuple[float, float]:
-    """visit_cost of one of a [k, n] product's calls (widths padded), in the call's own terms."""
-    if call == "rows_gradient":
-        return visit_cost("gmm", tiles, n, k)
-    return visit_cost("gmm" if call == "forward" else "tgmm", tiles, k, n)
-
-
 def _kind(call: str) -> str:
     return "tgmm" if call == "weights_gradient" else "gmm"
+
+
+def call_visit(call: str, tiles: Tiles, k: int, n: int) -> tuple[float, float]:
+    """visit_cost of one of a [k, n] product's calls (widths padded), in the call's own terms: the
+    rows' gradient multiplies by the transposed weights, [n, k]."""
+    return visit_cost(_kind(call), tiles, *((n, k) if call == "rows_gradient" else (k, n)))
 
 
 @functools.lru_cache(maxsize=None)  # the search prices many plans of few shapes
