@@ -84,3 +84,15 @@ def active_rules() -> tuple[Mesh, Rules] | None:
     """The (mesh, rules) of the enclosing `use_rules`, or None: for code that must shard by hand
     (shard_map around a Pallas kernel, which XLA cannot partition by itself)."""
     return _ACTIVE.get()
+
+
+def pieces(axes: LogicalAxes, dim: int) -> int:
+    """How many pieces the active rules split dimension `dim` of an array with these logical axes
+    into (1 outside `use_rules`)."""
+    active = _ACTIVE.get()
+    if active is None:
+        return 1
+    mesh, rules = active
+    spec = tuple(partition_spec(axes, rules, mesh))
+    entry = spec[dim] if dim < len(spec) else None
+    return 1 if entry is None else _count(entry, mesh)
