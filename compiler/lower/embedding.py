@@ -7,9 +7,9 @@ all of its ids: at 2048 x 4096 tokens an 8M-key sort on every step, and one of t
 kernels to compile. Here the table is gathered first, in the compute dtype, as every
 layer's weight is, so each device looks up only its own tokens; the gradient is scatter-added in
 float32 (a token seen many times in a batch must not be summed in bf16) into a full-size table
-and reduced to the table's sharding. Where that table would be large (Llama 3.1 405B's is 7.8
-GiB a device, and XLA holds it twice, before and after its all-reduce), it is formed a piece of
-the vocabulary at a time, each piece reduced before the next is formed.
+and reduced to the table's sharding. Where that table would be large (XLA holds it twice, before
+and after its all-reduce), it is formed a piece of the vocabulary at a time, each piece reduced
+before the next is formed.
 """
 
 from __future__ import annotations
@@ -85,7 +85,10 @@ def vocab_pieces(shape: tuple[int, int], shards: int) -> int:
         return 1
     local = vocab // shards
     needed = -(-local * width * 4 // WHOLE_GRADIENT_BYTES)
-    return next((n for n in range(needed, local + 1) if local % n == 0 and local // n >= 8), 1) if needed > 1 else 1
+    if needed == 1:
+        return 1
+    # A piece of at least 8 rows: one float32 tile's height on a TPU, so no piece is mostly padding.
+    return next((n for n in range(needed, local + 1) if local % n == 0 and local // n >= 8), 1)
 
 
 _lookup.defvjp(_lookup_forward, _lookup_backward)
